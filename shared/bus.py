@@ -1,0 +1,320 @@
+"""The only module that talks to NATS. Services see publish / request / subscribe / serve / submit / work_queue.
+
+Messages are schema dataclasses (encoded by `shared.codec`); every outgoing message carries the W3C trace
+context of the span it was sent from, and every handler runs inside a span whose parent is that context, so one
+request is one trace across all the hops.
+
+Work queues are JetStream pull consumers on the `work.>` stream: a handler that returns acks the message, one
+that raises `Retry` naks it with a delay (redelivered later), one that raises `Reject` or receives a payload that
+fails its schema terminates it (it could never succeed). A running handler keeps its message alive with
+`in_progress()` so long work is not redelivered under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
+from nats.js.errors import NotFoundError
+from opentelemetry.trace import SpanKind
+
+from shared import codec, subjects, tracing
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class Retry(Exception):
+    """Transient failure: redeliver the work message after `delay` seconds."""
+
+    def __init__(self, reason: str, delay: float = 1.0) -> None:
+        super().__init__(reason)
+        self.delay = delay
+
+
+class Reject(Exception):
+    """The work message can never succeed: terminate it."""
+
+
+class BusTimeout(TimeoutError):
+    """A request got no reply in time (no responder, or a responder too slow)."""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Delivery metadata a handler may need besides the decoded message."""
+
+    subject: str
+    trace: tracing.Context
+
+
+class Bus:
+    def __init__(self, nc: NatsClient, name: str) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._name = name
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    @classmethod
+    async def connect(cls, url: str, name: str, *, connect_timeout: float = 5.0) -> Bus:
+        nc = await nats.connect(
+            servers=[url],
+            name=name,
+            connect_timeout=connect_timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            allow_reconnect=True,
+        )
+        return cls(nc, name)
+
+    @property
+    def max_payload(self) -> int:
+        return self._nc.max_payload
+
+    # --- core NATS ---------------------------------------------------------------------------------------------
+
+    async def publish(self, subject: str, message: Any, *, trace: tracing.Context | None = None) -> None:
+        await self._nc.publish(subject, codec.encode(message), headers=tracing.inject(trace) or None)
+
+    async def request(
+        self, subject: str, message: Any, reply_type: type[R], *, timeout: float = 5.0
+    ) -> R:
+        try:
+            msg = await self._nc.request(
+                subject, codec.encode(message), timeout=timeout, headers=tracing.inject() or None
+            )
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise BusTimeout(f"{subject}: {type(exc).__name__}") from None
+        return codec.decode(reply_type, msg.data)
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[T],
+        handler: Callable[[T, Envelope], Awaitable[None]],
+        *,
+        queue: str = "",
+    ) -> Subscription:
+        """Core subscription: the handler runs for each message, in order, inside a consumer span."""
+
+        async def on_msg(msg: Msg) -> None:
+            ctx = tracing.extract(msg.headers)
+            try:
+                message = codec.decode(message_type, msg.data)
+            except codec.SchemaError as exc:
+                log.warning("dropping bad message on %s: %s", msg.subject, exc)
+                return
+            with tracing.tracer().start_as_current_span(
+                f"{self._name} {subject}", context=ctx, kind=SpanKind.CONSUMER
+            ):
+                try:
+                    await handler(message, Envelope(msg.subject, tracing.current()))
+                except Exception:
+                    log.exception("handler for %s failed", msg.subject)
+
+        return await self._nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def serve(
+        self,
+        subject: str,
+        request_type: type[T],
+        handler: Callable[[T], Awaitable[Any]],
+        *,
+        queue: str = "",
+    ) -> Subscription:
+        """Request/reply: the handler's return value is the reply. Each request runs as its own task."""
+
+        async def respond(msg: Msg) -> None:
+            ctx = tracing.extract(msg.headers)
+            with tracing.tracer().start_as_current_span(
+                f"{self._name} {subject}", context=ctx, kind=SpanKind.SERVER
+            ):
+                try:
+                    message = codec.decode(request_type, msg.data)
+                except codec.SchemaError as exc:
+                    log.warning("bad request on %s: %s", msg.subject, exc)
+                    return  # the caller times out; a bad internal request is a bug, not user input
+                reply = await handler(message)
+                if msg.reply:
+                    await msg.respond(codec.encode(reply))
+
+        async def on_msg(msg: Msg) -> None:
+            self._spawn(respond(msg))
+
+        return await self._nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    # --- JetStream work queues ---------------------------------------------------------------------------------
+
+    async def ensure_work_stream(self) -> None:
+        config = StreamConfig(
+            name=subjects.WORK_STREAM,
+            subjects=[subjects.WORK_SUBJECTS],
+            retention=RetentionPolicy.WORK_QUEUE,
+            duplicate_window=120.0,
+        )
+        try:
+            await self._js.stream_info(subjects.WORK_STREAM)
+        except NotFoundError:
+            try:
+                await self._js.add_stream(config)
+            except Exception:  # lost a creation race with another service
+                await self._js.stream_info(subjects.WORK_STREAM)
+
+    async def submit(self, subject: str, message: Any, *, msg_id: str) -> None:
+        """Durably enqueue work; a resend with the same `msg_id` inside the dedup window is dropped."""
+        headers = tracing.inject()
+        headers[MSG_ID_HEADER] = msg_id
+        await self._js.publish(subject, codec.encode(message), headers=headers)
+
+    async def work_queue(
+        self,
+        subject: str,
+        durable: str,
+        message_type: type[T],
+        handler: Callable[[T, Envelope], Awaitable[None]],
+        *,
+        concurrency: int = 1,
+        ack_wait: float = 30.0,
+        max_deliver: int = 5,
+    ) -> WorkQueue:
+        await self.ensure_work_stream()
+        config = ConsumerConfig(
+            durable_name=durable,
+            filter_subject=subject,
+            ack_wait=ack_wait,
+            max_deliver=max_deliver,
+            max_ack_pending=max(concurrency * 2, 16),
+        )
+        psub = await self._js.pull_subscribe(subject, durable=durable, config=config)
+        queue = WorkQueue(self, psub, message_type, handler, concurrency, ack_wait)
+        queue.task = asyncio.create_task(queue.run())
+        return queue
+
+    async def delete_consumer(self, durable: str) -> None:
+        try:
+            await self._js.delete_consumer(subjects.WORK_STREAM, durable)
+        except NotFoundError:
+            pass
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Stop taking messages, let handlers in flight finish, flush, close."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            await self._nc.drain()
+        except Exception as exc:  # already closed or disconnected: nothing left to drain
+            log.debug("drain: %s", exc)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+
+
+class WorkQueue:
+    """A pull loop over one durable consumer, running up to `concurrency` handlers at once."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        psub: Any,
+        message_type: type[Any],
+        handler: Callable[[Any, Envelope], Awaitable[None]],
+        concurrency: int,
+        ack_wait: float,
+    ) -> None:
+        self._bus = bus
+        self._psub = psub
+        self._type = message_type
+        self._handler = handler
+        self._slots = asyncio.Semaphore(concurrency)
+        self._concurrency = concurrency
+        self._ack_wait = ack_wait
+        self._stopped = False
+        self.task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        while not self._stopped:
+            free = self._slots._value  # noqa: SLF001 - fetch no more than we can start now
+            if free == 0:
+                await self._slots.acquire()
+                self._slots.release()
+                continue
+            try:
+                msgs = await self._psub.fetch(batch=free, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                return
+            except Exception as exc:
+                if self._stopped:
+                    return
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._slots.acquire()
+                self._bus._spawn(self._handle(msg))
+
+    async def _handle(self, msg: Msg) -> None:
+        keepalive = asyncio.create_task(self._keepalive(msg))
+        try:
+            ctx = tracing.extract(msg.headers)
+            with tracing.tracer().start_as_current_span(
+                f"{self._bus._name} {msg.subject}", context=ctx, kind=SpanKind.CONSUMER
+            ):
+                try:
+                    message = codec.decode(self._type, msg.data)
+                    await self._handler(message, Envelope(msg.subject, tracing.current()))
+                except (codec.SchemaError, Reject) as exc:
+                    log.warning("terminating work message on %s: %s", msg.subject, exc)
+                    await msg.term()
+                except Retry as exc:
+                    log.info("retrying work message on %s in %.1fs: %s", msg.subject, exc.delay, exc)
+                    await msg.nak(delay=exc.delay)
+                except Exception:
+                    log.exception("work handler on %s failed; redelivering", msg.subject)
+                    await msg.nak(delay=1.0)
+                else:
+                    await msg.ack()
+        except Exception as exc:  # ack/nak on a closed connection: the message will be redelivered
+            log.debug("could not settle work message: %s", exc)
+        finally:
+            keepalive.cancel()
+            self._slots.release()
+
+    async def _keepalive(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(self._ack_wait / 3)
+            try:
+                await msg.in_progress()
+            except Exception:
+                return
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass

@@ -1,0 +1,37 @@
+"""The one block size and the one chained block hash of the mesh.
+
+Block i's key = H(key of block i-1 || namespace || token ids of block i), where the namespace folds in the
+model's cache identity (model name, KV dtype and layout) and any salt (tenant, LoRA, image hashes). Only full
+blocks get keys: the partial tail is never shared. The chain makes a key identify the whole prefix, so a store
+that holds key k holds exactly that prefix's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+BLOCK_TOKENS = 16  # tokens per KV block, everywhere: paging, hashing, storage, balancing
+DIGEST_BYTES = 16
+
+
+def namespace(cache_id: str, salt: str = "") -> bytes:
+    """Identity of what a block's bytes mean: which model/layout produced them, and for whom."""
+    return hashlib.blake2b(f"{cache_id}\x00{salt}".encode(), digest_size=DIGEST_BYTES).digest()
+
+
+def block_hashes(token_ids: list[int], ns: bytes, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
+    """Keys of every full block of `token_ids`, in order."""
+    keys: list[bytes] = []
+    parent = ns
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        block = token_ids[start : start + block_tokens]
+        h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
+        h.update(struct.pack(f"<{len(block)}q", *block))
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+def full_blocks(num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    return num_tokens // block_tokens

@@ -1,0 +1,43 @@
+"""gateway <-> recipe: an API request goes in, API-formatted events come back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PrepareRequest:
+    """The HTTP body as the client sent it; the recipe validates and renders it."""
+
+    request_id: str
+    api: str  # "chat" | "messages" | "completions" | "responses"
+    body: bytes  # raw JSON object, already known to parse
+    tenant: str = ""  # salts cache keys (API key presented); "" = anonymous
+
+
+@dataclass(frozen=True)
+class PrepareReply:
+    """Either accepted (the request is now in flight and events will follow) or refused with an API error."""
+
+    ok: bool
+    status: int = 200
+    error_body: bytes = b""  # the API's own error JSON when not ok
+    stream: bool = False
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ApiEvent:
+    """What the gateway writes to the client, already formatted by the recipe.
+
+    Streaming: `frames` are SSE frames ready to write (b"event: ...\\ndata: ...\\n\\n").
+    Non-streaming: the last event carries `body`, the complete response JSON.
+    `done` ends the request; `status` != 200 with `body` is an error response.
+    """
+
+    request_id: str
+    seq: int
+    frames: list[bytes] = field(default_factory=list)
+    done: bool = False
+    status: int = 200
+    body: bytes = b""

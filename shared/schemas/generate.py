@@ -1,0 +1,78 @@
+"""The request as the engine sees it: token ids and sampling, produced by the recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None = nondeterministic
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str = ""  # tenant salt for block hashes
+    arrival: float = 0.0  # unix time at the gateway
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """balancer -> prefill worker."""
+
+    request: GenerateRequest
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """prefill worker -> balancer -> decode worker.
+
+    The prompt's KV is in the kvcache service: full blocks under `block_hashes` (the shared chained hash), the
+    partial last block under `tail_key` (short-term, per request). `first_token` was sampled by prefill.
+    """
+
+    request: GenerateRequest
+    first_token: int
+    block_hashes: list[bytes]
+    tail_key: bytes
+    cached_tokens: int
+    prefill_worker: str
+    worker_id: str = ""  # filled by the decode balancer
+    rng_state: bytes = b""  # sampler generator state after the first token (seeded requests stay exact)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Engine output on `tokens.<request_id>`: the generated tokens at output position `index`.
+
+    Prefill sends index 0 (the first token) and decode sends the rest, on different connections: the
+    consumer reorders by `index`. The final event carries `finish_reason` (or `error`).
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+    error_status: int = 0
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Broadcast on `requests.cancel`: every hop frees what it holds for the request."""
+
+    request_id: str
+    reason: str = "cancelled"

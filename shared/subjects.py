@@ -1,0 +1,57 @@
+"""Every NATS subject and stream name of the mesh, in one place.
+
+    gateway --prepare (req/reply)--> recipe --work.route.prefill (JetStream)--> balancer
+    balancer --work.prefill.<worker> (JetStream)--> prefill --kv.* (req/reply)--> kvcache
+    prefill --tokens.<rid> (core)--> recipe;  prefill --work.route.decode (JetStream)--> balancer
+    balancer --work.decode.<worker> (JetStream)--> decode --kv.get--> kvcache
+    decode --tokens.<rid> (core)--> recipe --events.<rid> (core)--> gateway
+    anyone --requests.cancel (core, broadcast)--> everyone holding state for the request
+"""
+
+from __future__ import annotations
+
+# JetStream: durable work queues (survive restarts, acked, redelivered, deduplicated by message id).
+WORK_STREAM = "DEEPINFER_WORK"
+WORK_SUBJECTS = "work.>"
+ROUTE_PREFILL = "work.route.prefill"
+ROUTE_DECODE = "work.route.decode"
+
+
+def prefill_work(worker_id: str) -> str:
+    return f"work.prefill.{worker_id}"
+
+
+def decode_work(worker_id: str) -> str:
+    return f"work.decode.{worker_id}"
+
+
+# Core NATS request/reply.
+RECIPE_PREPARE = "recipe.prepare"
+KV_LOOKUP = "kv.lookup"
+KV_GET = "kv.get"
+KV_PUT = "kv.put"
+KV_DELETE = "kv.delete"
+
+
+def health(service: str) -> str:
+    return f"health.{service}"
+
+
+# Core NATS streams and broadcasts.
+HEARTBEAT = "workers.heartbeat"
+CANCEL = "requests.cancel"
+
+
+def tokens(request_id: str) -> str:
+    return f"tokens.{request_id}"
+
+
+def events(request_id: str) -> str:
+    return f"events.{request_id}"
+
+
+# Queue groups: one member of the group handles each request/reply message.
+RECIPE_GROUP = "recipe"
+KVCACHE_GROUP = "kvcache"
+BALANCER_PREFILL_DURABLE = "balancer-prefill"
+BALANCER_DECODE_DURABLE = "balancer-decode"

@@ -1,0 +1,80 @@
+"""The bus against a real nats-server: typed messages, request/reply, work queues, trace propagation."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from shared import codec, tracing
+from shared.bus import Bus, BusTimeout, Envelope, Reject, Retry
+
+
+@dataclass(frozen=True)
+class Ping:
+    n: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Pong:
+    n: int
+
+
+async def test_request_reply_and_bad_request(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "t")
+    try:
+        async def double(p: Ping) -> Pong:
+            return Pong(p.n * 2)
+
+        await bus.serve("t.double", Ping, double)
+        assert await bus.request("t.double", Ping(21), Pong) == Pong(42)
+        with pytest.raises(BusTimeout):  # a payload that fails the schema gets no reply
+            await bus.request("t.double", {"n": "x"}, Pong, timeout=0.5)
+    finally:
+        await bus.drain()
+
+
+def test_codec_validates_types() -> None:
+    assert codec.decode(Ping, codec.encode(Ping(3, "x"))) == Ping(3, "x")
+    with pytest.raises(codec.SchemaError):
+        codec.decode(Ping, codec.encode({"n": "three"}))
+    with pytest.raises(codec.SchemaError):
+        codec.decode(Ping, codec.encode({"note": "no n"}))
+    with pytest.raises(codec.SchemaError):
+        codec.decode(Ping, b"\xc1")
+
+
+async def test_work_queue_ack_retry_reject(nats_url: str) -> None:
+    tracing.setup("test", "t")
+    bus = await Bus.connect(nats_url, "t")
+    seen: list[int] = []
+    attempts: dict[int, int] = {}
+    done = asyncio.Event()
+    parents: list[str] = []
+
+    async def handle(p: Ping, env: Envelope) -> None:
+        attempts[p.n] = attempts.get(p.n, 0) + 1
+        parents.append(tracing.inject(env.trace).get("traceparent", ""))
+        if p.n == 2 and attempts[p.n] == 1:
+            raise Retry("try again", delay=0.1)
+        if p.n == 3:
+            raise Reject("never")
+        seen.append(p.n)
+        if sorted(seen) == [1, 2]:
+            done.set()
+
+    q = await bus.work_queue("work.test.q", "test-q", Ping, handle, concurrency=2)
+    with tracing.tracer().start_as_current_span("root") as root:
+        for n in (1, 2, 3):
+            await bus.submit("work.test.q", Ping(n), msg_id=f"ping-{n}")
+        await bus.submit("work.test.q", Ping(1), msg_id="ping-1")  # duplicate: dropped
+    await asyncio.wait_for(done.wait(), 10)
+    await asyncio.sleep(0.3)
+    await q.stop()
+    await bus.drain()
+    assert sorted(seen) == [1, 2]
+    assert attempts == {1: 1, 2: 2, 3: 1}
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    assert all(trace_id in p for p in parents)
