@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.process import die_with_parent
+
 MAX_PAYLOAD = 8 * 1024 * 1024  # KV blocks travel one per message; 8 MiB leaves room for big layouts
 
 
@@ -61,7 +63,7 @@ def start(state_dir: Path, *, port: int = -1, timeout: float = 15.0, log_file: P
         [find_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port), "--ports_file_dir", str(ports_dir)],
         stdout=out,
         stderr=out,
-        start_new_session=True,  # a Ctrl-C aimed at our terminal is ours to forward, in order
+        preexec_fn=die_with_parent,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,0 +1,65 @@
+"""The decode worker: continuous batching over every request it holds, streaming tokens as they come.
+
+A job carries the request, its first token (sampled by prefill) and where the prompt's KV lies in the kvcache
+service. The worker imports the longest run of those blocks it can get (a missing block means the rest is
+recomputed here, never a failure), joins the request to the running batch, and publishes each step's tokens on
+the request's token stream at their output positions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shared import hashing, subjects
+from shared.bus import Envelope
+from shared.engine.engine import EngineRequest
+from shared.schemas.generate import DecodeJob, TokenEvent
+from shared.schemas.kv import KvDelete
+from shared.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService(EngineWorker):
+    role = "decode"
+    job_type = DecodeJob
+
+    async def handle(self, job: DecodeJob, env: Envelope) -> None:
+        assert self.engine is not None and self.kv is not None and self.bus is not None
+        req = job.request
+        prompt = req.prompt_ids
+        blobs = await self.kv.get_run(job.block_hashes)
+        prefix_tokens = len(blobs) * hashing.BLOCK_TOKENS
+        if job.tail_key and len(blobs) == len(job.block_hashes):
+            tail = await self.kv.get_run([job.tail_key])
+            if tail:
+                blobs += tail
+                prefix_tokens = len(prompt)
+        if prefix_tokens < len(prompt):
+            log.info("%s: %d of %d prompt tokens not in the store, recomputing", req.request_id,
+                     len(prompt) - prefix_tokens, len(prompt))
+        engine_req = EngineRequest(
+            request_id=req.request_id,
+            token_ids=[*prompt, job.first_token],
+            sampling=req.sampling,
+            max_new_tokens=req.sampling.max_tokens - 1,
+            output_offset=1,
+            prefix_blocks=blobs,
+            prefix_tokens=prefix_tokens,
+        )
+        index = 1
+        finish_reason = None
+        try:
+            async for out in self.engine.generate(engine_req):
+                if not out.token_ids and out.finish_reason is None:
+                    continue
+                finish_reason = out.finish_reason
+                await self.publish_tokens(
+                    TokenEvent(req.request_id, index, list(out.token_ids), finish_reason=out.finish_reason), env
+                )
+                index += len(out.token_ids)
+        finally:
+            if job.tail_key:
+                await self.bus.publish(subjects.KV_DELETE, KvDelete([job.tail_key]))
+        if finish_reason is None:
+            log.info("%s: aborted after %d tokens", req.request_id, index)

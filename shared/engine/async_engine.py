@@ -1,0 +1,97 @@
+"""The engine driven from asyncio: one thread owns the engine, the event loop never blocks on a step.
+
+Every engine call (add, step, export, abort, release) runs on a single worker thread, so they are serialised
+without locks; between two steps the loop's queued calls run, which is how requests join and leave the running
+batch at every step (continuous batching). Each request's outputs arrive on its own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from shared.engine.engine import Engine, EngineRequest, StepOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._outputs: dict[str, asyncio.Queue[StepOutput | None]] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run())
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` on the engine thread, between steps."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[StepOutput]:
+        """Add the request and yield its outputs until it finishes or is aborted.
+
+        Leaving the iteration early (the consumer stopped or was cancelled) aborts the request, so its blocks
+        are freed whatever happens to the caller.
+        """
+        queue: asyncio.Queue[StepOutput | None] = asyncio.Queue()
+        self._outputs[req.request_id] = queue
+        finished = False
+        try:
+            await self.call(self.engine.add, req)
+            self._wakeup.set()
+            while True:
+                out = await queue.get()
+                if out is None:  # aborted
+                    return
+                yield out
+                if out.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._outputs.pop(req.request_id, None)
+            if not finished and not self._stopped:
+                await self.call(self.engine.abort, req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._outputs.pop(request_id, None)
+        await self.call(self.engine.abort, request_id)
+        if queue is not None:
+            queue.put_nowait(None)
+
+    async def _run(self) -> None:
+        while not self._stopped:
+            if not self.engine.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                outputs = await self.call(self.engine.step)
+            except Exception:
+                log.exception("engine step failed; aborting its requests")
+                for request_id, queue in list(self._outputs.items()):
+                    await self.call(self.engine.abort, request_id)
+                    queue.put_nowait(None)
+                continue
+            for out in outputs:
+                queue = self._outputs.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)  # let queued adds/aborts reach the engine thread before the next step
+
+    async def stop(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        for queue in self._outputs.values():
+            queue.put_nowait(None)
+        self._thread.shutdown(wait=True)

@@ -1,0 +1,72 @@
+"""Client side of the kvcache service, used by prefill and decode workers.
+
+The store is an optimisation, never a dependency: every call degrades to "not cached" when the kvcache service
+is slow or gone, and the worker recomputes. One block rides in one message (a block is well under NATS's
+payload limit); many blocks move as concurrent requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from shared import subjects
+from shared.bus import Bus, BusTimeout
+from shared.schemas.kv import KvGet, KvGetReply, KvLookup, KvLookupReply, KvPut, KvPutReply
+
+log = logging.getLogger(__name__)
+
+SHORT_TERM_TTL_S = 180.0
+
+
+class KvClient:
+    def __init__(self, bus: Bus, timeout: float = 5.0) -> None:
+        self._bus = bus
+        self._timeout = timeout
+
+    async def lookup(self, hashes: list[bytes]) -> int:
+        """Length of the longest stored prefix run of `hashes` (0 when the store is unreachable)."""
+        if not hashes:
+            return 0
+        try:
+            reply = await self._bus.request(subjects.KV_LOOKUP, KvLookup(hashes), KvLookupReply, timeout=self._timeout)
+        except BusTimeout as exc:
+            log.warning("kv lookup failed, recomputing: %s", exc)
+            return 0
+        return reply.hits
+
+    async def get_run(self, keys: list[bytes]) -> list[bytes]:
+        """The blobs of `keys` up to (not including) the first one missing."""
+        replies = await asyncio.gather(*(self._get_one(k) for k in keys))
+        run: list[bytes] = []
+        for blob in replies:
+            if blob is None:
+                break
+            run.append(blob)
+        return run
+
+    async def _get_one(self, key: bytes) -> bytes | None:
+        try:
+            reply = await self._bus.request(subjects.KV_GET, KvGet([key]), KvGetReply, timeout=self._timeout)
+        except BusTimeout as exc:
+            log.warning("kv get failed: %s", exc)
+            return None
+        return reply.blobs[0] if reply.blobs else None
+
+    async def put_many(self, items: list[tuple[bytes, bytes]], ttl_s: float = 0.0) -> bool:
+        """Store (key, blob) pairs; True when all were stored."""
+        results = await asyncio.gather(*(self._put_one(k, v, ttl_s) for k, v in items))
+        return all(results)
+
+    async def _put_one(self, key: bytes, blob: bytes, ttl_s: float) -> bool:
+        try:
+            reply = await self._bus.request(subjects.KV_PUT, KvPut(key, blob, ttl_s), KvPutReply, timeout=self._timeout)
+        except BusTimeout as exc:
+            log.warning("kv put failed: %s", exc)
+            return False
+        return reply.stored
+
+
+def tail_key(request_id: str) -> bytes:
+    """Short-term key of a request's partial last prompt block (never shared, so not a chained hash)."""
+    return b"tail:" + request_id.encode()

@@ -1,0 +1,183 @@
+"""What prefill and decode workers share: load the engine, take jobs from a JetStream work queue, heartbeat to
+the balancers, free a request's KV on cancel, report health.
+
+A worker's job handler is its role; everything else is here. The work message is acked when the job is done
+(kept alive meanwhile), so a worker that dies mid-job has its job redelivered rather than lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from shared import subjects
+from shared.bus import Bus, Envelope, WorkQueue
+from shared.config import ServiceConfig
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import Engine
+from shared.kvclient import KvClient
+from shared.models import resolve
+from shared.schemas.generate import Cancel, TokenEvent
+from shared.schemas.workers import Heartbeat
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+CANCEL_MEMORY_S = 300.0  # a cancel may overtake its job on the way here: remember it this long
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    device: str
+    kv_blocks: int | None
+    max_batch_tokens: int
+    max_running: int
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_running < 1:
+            raise ValueError("--max-batch-tokens and --max-running must be positive")
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--device", default=env("DEEPINFER_DEVICE", "cpu"))
+    parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    parser.add_argument("--max-running", type=int, default=64, help="requests held at once")
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running)
+
+
+class EngineWorker(ABC):
+    role: str
+    job_type: type[Any]
+
+    def __init__(self, config: ServiceConfig, worker: WorkerConfig) -> None:
+        self.name = self.role
+        self.config = config
+        self.worker = worker
+        self.model_name = resolve(config.model).name
+        self.bus: Bus | None = None
+        self.kv: KvClient | None = None
+        self.engine: AsyncEngine | None = None
+        self.active: set[str] = set()
+        self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
+        self._status = "loading model"
+        self._tasks: list[asyncio.Task[None]] = []
+        self._queue: WorkQueue | None = None
+
+    # --- Service protocol ---------------------------------------------------------------------------------------
+
+    async def start(self, bus: Bus) -> None:
+        self.bus = bus
+        self.kv = KvClient(bus)
+        self._tasks.append(asyncio.create_task(self._load_then_serve()))
+
+    def health(self) -> tuple[bool, str]:
+        return self.engine is not None and self._queue is not None, self._status
+
+    async def stop(self) -> None:
+        if self._queue is not None:
+            await self._queue.stop()
+        for task in self._tasks:
+            task.cancel()
+        if self.engine is not None:
+            for request_id in list(self.active):
+                await self.engine.abort(request_id)
+            await self.engine.stop()
+
+    # --- internals ----------------------------------------------------------------------------------------------
+
+    async def _load_then_serve(self) -> None:
+        assert self.bus is not None
+        started = time.monotonic()
+        try:
+            engine = await asyncio.to_thread(
+                Engine,
+                self.config.model,
+                device=self.worker.device,
+                kv_blocks=self.worker.kv_blocks,
+                max_batch_tokens=self.worker.max_batch_tokens,
+                max_running=self.worker.max_running,
+            )
+        except Exception as exc:
+            log.exception("could not load model %s", self.config.model)
+            self._status = f"failed to load model: {exc}"
+            os.kill(os.getpid(), signal.SIGTERM)  # a worker without a model has nothing to offer: exit
+            return
+        self.engine = AsyncEngine(engine)
+        self.engine.start()
+        log.info("loaded %s in %.1fs", self.model_name, time.monotonic() - started)
+        await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
+        self._tasks.append(asyncio.create_task(self._heartbeat()))
+        self._queue = await self.bus.work_queue(
+            self.work_subject(),
+            f"{self.role}-{self.config.instance}",
+            self.job_type,
+            self._on_job,
+            concurrency=self.worker.max_running,
+            ack_wait=30.0,
+        )
+        self._status = "ready"
+
+    def work_subject(self) -> str:
+        if self.role == "prefill":
+            return subjects.prefill_work(self.config.instance)
+        return subjects.decode_work(self.config.instance)
+
+    async def _on_job(self, job: Any, env: Envelope) -> None:
+        request_id = job.request.request_id
+        if request_id in self._cancelled:
+            log.info("skipping %s: cancelled before it arrived", request_id)
+            return
+        self.active.add(request_id)
+        try:
+            await self.handle(job, env)
+        finally:
+            self.active.discard(request_id)
+
+    @abstractmethod
+    async def handle(self, job: Any, env: Envelope) -> None: ...
+
+    async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+        now = time.monotonic()
+        self._cancelled[cancel.request_id] = now
+        for request_id, at in list(self._cancelled.items()):
+            if now - at > CANCEL_MEMORY_S:
+                del self._cancelled[request_id]
+        if cancel.request_id in self.active and self.engine is not None:
+            log.info("cancel %s (%s)", cancel.request_id, cancel.reason)
+            await self.engine.abort(cancel.request_id)
+
+    async def publish_tokens(self, event: TokenEvent, env: Envelope) -> None:
+        assert self.bus is not None
+        await self.bus.publish(subjects.tokens(event.request_id), event, trace=env.trace)
+
+    async def _heartbeat(self) -> None:
+        assert self.bus is not None and self.engine is not None
+        while True:
+            stats = self.engine.engine.stats()
+            beat = Heartbeat(
+                worker_id=self.config.instance,
+                role=self.role,
+                model=self.model_name,
+                queued_tokens=stats.queued_tokens,
+                running=stats.running + stats.waiting,
+                free_blocks=stats.free_blocks,
+                total_blocks=stats.total_blocks,
+                sent_at=time.time(),
+            )
+            try:
+                await self.bus.publish(subjects.HEARTBEAT, beat)
+            except Exception as exc:  # reconnecting: the balancer will notice the gap
+                log.debug("heartbeat not sent: %s", exc)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
