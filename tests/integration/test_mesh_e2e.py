@@ -1,0 +1,199 @@
+"""The whole mesh, end to end, on real parts: nats-server, every service as its own process, SmolLM2.
+
+One mesh serves the module; each test talks to it over HTTP like a user would (official SDKs where they fit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from shared import subjects
+from shared.bus import Bus, Envelope
+from shared.schemas.workers import Heartbeat
+from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    state = tmp_path_factory.mktemp("mesh")
+    mesh = start_mesh(state)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="test-key", max_retries=0, timeout=120)
+
+
+def test_paris_over_openai_sdk(oai: openai.OpenAI) -> None:
+    reply = oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=20)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.prompt_tokens > 10
+    assert 0 < reply.usage.completion_tokens <= 20
+
+
+def test_streaming_equals_non_streaming(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    full = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True
+    )
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == full.choices[0].message.content
+    assert len([p for p in parts if p]) > 1  # it really streamed, in pieces
+
+
+def test_anthropic_sdk_streaming_and_not(mesh: Mesh) -> None:
+    client = anthropic.Anthropic(base_url=mesh.base_url, api_key="test-key", max_retries=0, timeout=120)
+    message = client.messages.create(model=MODEL, max_tokens=20, temperature=0, messages=FRANCE)
+    assert "Paris" in message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    with client.messages.stream(model=MODEL, max_tokens=20, temperature=0, messages=FRANCE) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed == message.content[0].text
+
+
+def test_eight_concurrent_requests(oai: openai.OpenAI) -> None:
+    questions = [f"What is {a} plus {a}?" for a in range(1, 9)]
+
+    def ask(q: str) -> str:
+        reply = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=16
+        )
+        return reply.choices[0].message.content
+
+    alone = [ask(q) for q in questions[:2]]
+
+    async def all_at_once() -> list[str]:
+        return await asyncio.gather(*(asyncio.to_thread(ask, q) for q in questions))
+
+    together = asyncio.run(all_at_once())
+    assert len(together) == 8 and all(together)
+    assert together[:2] == alone  # batching with others does not change a greedy answer
+
+
+def test_repeated_long_prompt_reports_cached_tokens(oai: openai.OpenAI) -> None:
+    story = " ".join(f"Sentence number {i} says that the sky was blue on day {i}." for i in range(30))
+    messages = [{"role": "user", "content": story + " What colour was the sky?"}]
+    first = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4)
+    second = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4)
+    assert first.usage.prompt_tokens > 200
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+async def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, data=body, headers=headers or {"Content-Type": "application/json"}) as r:
+            return r.status, await r.json(content_type=None)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"[1, 2]", b'{"model": "SmolLM2-135M-Instruct"}', b'{"model": "nope", "messages": []}',
+     b'{"model": "SmolLM2-135M-Instruct", "messages": "hello"}'],
+)
+def test_bad_chat_requests_get_openai_errors(mesh: Mesh, body: bytes) -> None:
+    status, payload = asyncio.run(_post(f"{mesh.base_url}/v1/chat/completions", body))
+    assert 400 <= status < 500
+    assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
+
+
+def test_bad_messages_requests_get_anthropic_errors(mesh: Mesh) -> None:
+    for body in (b"{oops", b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}]}'):
+        status, payload = asyncio.run(_post(f"{mesh.base_url}/v1/messages", body))
+        assert 400 <= status < 500
+        assert payload["type"] == "error" and payload["error"]["message"]
+
+
+def test_prompt_beyond_context_is_a_4xx(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10_000_000
+        )
+
+
+async def _decode_idle(nats_url: str, timeout: float) -> Heartbeat:
+    """Wait for a decode heartbeat that shows nothing running and every KV block free."""
+    bus = await Bus.connect(nats_url, "test-observer")
+    idle: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(beat: Heartbeat, _: Envelope) -> None:
+        if beat.role == "decode" and beat.running == 0 and beat.free_blocks == beat.total_blocks:
+            if not idle.done():
+                idle.set_result(beat)
+
+    await bus.subscribe(subjects.HEARTBEAT, Heartbeat, on_beat)
+    try:
+        return await asyncio.wait_for(idle, timeout)
+    finally:
+        await bus.drain()
+
+
+async def _decode_busy(nats_url: str, timeout: float) -> Heartbeat:
+    bus = await Bus.connect(nats_url, "test-observer")
+    busy: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(beat: Heartbeat, _: Envelope) -> None:
+        if beat.role == "decode" and beat.running > 0 and not busy.done():
+            busy.set_result(beat)
+
+    await bus.subscribe(subjects.HEARTBEAT, Heartbeat, on_beat)
+    try:
+        return await asyncio.wait_for(busy, timeout)
+    finally:
+        await bus.drain()
+
+
+def test_cancelled_stream_frees_kv_blocks(mesh: Mesh) -> None:
+    async def scenario() -> tuple[Heartbeat, Heartbeat]:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 2000,
+            "stream": True,
+            "temperature": 0.8,
+        }
+        watcher = asyncio.create_task(_decode_busy(mesh.nats_url, 60))
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{mesh.base_url}/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                chunks = 0
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        chunks += 1
+                    if chunks >= 5:
+                        break
+            busy = await watcher
+        # The connection is closed now: the gateway cancels, decode aborts and frees the blocks.
+        idle = await _decode_idle(mesh.nats_url, 30)
+        return busy, idle
+
+    busy, idle = asyncio.run(scenario())
+    assert busy.free_blocks < busy.total_blocks
+    assert idle.free_blocks == idle.total_blocks and idle.running == 0
+
+
+def test_launcher_stops_every_process(tmp_path: Path, mesh: Mesh) -> None:
+    """Runs last in this module: stop the shared mesh and check nothing it started is left."""
+    marker = str(mesh.state_dir)
+    assert len(pids_mentioning(marker)) >= 7  # launcher, nats-server and six services
+    assert mesh.stop() == 0
+    deadline = time.monotonic() + 10
+    while pids_mentioning(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids_mentioning(marker) == []
