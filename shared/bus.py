@@ -82,6 +82,10 @@ class Bus:
         return cls(nc, name)
 
     @property
+    def connected(self) -> bool:
+        return self._nc.is_connected
+
+    @property
     def max_payload(self) -> int:
         return self._nc.max_payload
 

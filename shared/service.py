@@ -81,7 +81,8 @@ def main(
     args = parser.parse_args(argv)
     try:
         config = common_config(args)
-    except ValueError as exc:
+        service = build(config, args)
+    except ValueError as exc:  # bad flags: a usage error, not a traceback
         parser.error(str(exc))
     setup_logging(config.instance)
-    asyncio.run(serve_forever(build(config, args), config))
+    asyncio.run(serve_forever(service, config))

@@ -1,0 +1,77 @@
+"""Error bodies in each API's own format, so every SDK surfaces our errors as its usual exceptions.
+
+OpenAI:    {"error": {"message": ..., "type": ..., "param": null, "code": ...}}
+Anthropic: {"type": "error", "error": {"type": ..., "message": ...}}
+
+A stream that has already started cannot change its HTTP status: the error goes out as one last SSE frame.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import orjson
+from aiohttp import web
+
+
+class ApiError(Exception):
+    """Bad input or an unavailable mesh: answered with `status` and a body in the API's error format."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+class ErrorFormat(Protocol):
+    def body(self, error: ApiError) -> bytes: ...
+
+    def frame(self, body: bytes) -> bytes:
+        """An SSE frame carrying an error body of this format."""
+        ...
+
+
+class OpenAIErrors:
+    def body(self, error: ApiError) -> bytes:
+        kind = "server_error" if error.status >= 500 else "invalid_request_error"
+        return orjson.dumps(
+            {"error": {"message": error.message, "type": kind, "param": None, "code": error.code}}
+        )
+
+    def frame(self, body: bytes) -> bytes:
+        return b"data: " + body + b"\n\n"
+
+
+class AnthropicErrors:
+    _TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        503: "overloaded_error",
+        504: "timeout_error",
+        529: "overloaded_error",
+    }
+
+    def body(self, error: ApiError) -> bytes:
+        default = "api_error" if error.status >= 500 else "invalid_request_error"
+        kind = self._TYPES.get(error.status, default)
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": error.message}})
+
+    def frame(self, body: bytes) -> bytes:
+        return b"event: error\ndata: " + body + b"\n\n"
+
+
+OPENAI = OpenAIErrors()
+ANTHROPIC = AnthropicErrors()
+
+
+def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def error_response(errors: ErrorFormat, error: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return json_response(error.status, errors.body(error), headers)

@@ -1,0 +1,28 @@
+"""The HTTP surface: the API routes of `table.API_ROUTES`, the model list, health and metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from services.gateway.routes.generate import GenerateHandler
+from services.gateway.routes.models import ModelsHandler
+from services.gateway.routes.ops import OpsHandler
+from services.gateway.routes.table import API_ROUTES, ApiRoute
+
+
+def _bind(generate: GenerateHandler, route: ApiRoute) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await generate.handle(request, route)
+
+    return handle
+
+
+def add_routes(app: web.Application, generate: GenerateHandler, models: ModelsHandler, ops: OpsHandler) -> None:
+    for route in API_ROUTES:
+        app.router.add_post(route.path, _bind(generate, route))
+    app.router.add_get("/v1/models", models.list)
+    app.router.add_get("/v1/models/{model_id:.+}", models.get)
+    app.router.add_get("/health", ops.health)
+    app.router.add_get("/metrics", ops.metrics)

@@ -1,0 +1,199 @@
+"""POST /v1/chat/completions, /v1/messages, ...: one request through the mesh.
+
+    subscribe events.<rid>  ->  recipe.prepare (request/reply)  ->  relay ApiEvents in seq order until `done`
+
+Every accepted request ends explicitly. Any ending other than its `done` event (the client went away, the model
+fell silent, the gateway is stopping, a bug) sends Cancel(rid) on `requests.cancel`, so every hop frees what it
+holds for the request, KV blocks first of all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import orjson
+from aiohttp import web
+from opentelemetry import trace
+
+from services.gateway.auth import presented_key, tenant_of
+from services.gateway.errors import ApiError, ErrorFormat, error_response, json_response
+from services.gateway.metrics import Metrics
+from services.gateway.routes.table import ApiRoute
+from services.gateway.streaming import EventPump, PumpAborted, Pumps
+from shared import subjects
+from shared.bus import Bus, BusTimeout
+from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
+from shared.schemas.generate import Cancel
+
+log = logging.getLogger(__name__)
+
+# How soon a vanished client is noticed while no event arrives. Handler cancellation (see service.py) usually
+# tells us at once; this poll is the backstop.
+DISCONNECT_POLL_S = 0.5
+REQUEST_ID_HEADER = "X-Request-Id"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(ConnectionResetError):
+    pass
+
+
+class RequestEnded(Exception):
+    """The request ends before its `done` event: the client gets `status`, every hop gets Cancel(`reason`)."""
+
+    def __init__(self, status: int, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason
+
+
+async def read_json_object(request: web.Request, max_bytes: int) -> bytes:
+    """The raw body, once known to be a JSON object (the recipe validates the rest)."""
+    too_large = ApiError(413, f"the request body is larger than {max_bytes} bytes")
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise too_large
+    try:
+        body = await request.read()  # the app's client_max_size stops a chunked body at max_bytes
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+class _Sse:
+    """A server-sent-event response, started (headers sent) by its first write."""
+
+    def __init__(self, request: web.Request, request_id: str) -> None:
+        self._request = request
+        self._request_id = request_id
+        self.response: web.StreamResponse | None = None
+
+    async def write(self, data: bytes) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: self._request_id})
+            await self.response.prepare(self._request)
+        await self.response.write(data)
+
+    async def finish(self) -> web.StreamResponse:
+        await self.write(b"")
+        assert self.response is not None
+        await self.response.write_eof()
+        return self.response
+
+
+class GenerateHandler:
+    def __init__(
+        self,
+        bus: Bus,
+        pumps: Pumps,
+        metrics: Metrics,
+        *,
+        prepare_timeout_s: float,
+        event_timeout_s: float,
+        max_body_bytes: int,
+    ) -> None:
+        self._bus = bus
+        self._pumps = pumps
+        self._metrics = metrics
+        self._prepare_timeout_s = prepare_timeout_s
+        self._event_timeout_s = event_timeout_s
+        self._max_body_bytes = max_body_bytes
+
+    async def handle(self, request: web.Request, route: ApiRoute) -> web.StreamResponse:
+        if self._pumps.closing:
+            raise ApiError(503, "the gateway is shutting down")
+        body = await read_json_object(request, self._max_body_bytes)
+        request_id = uuid.uuid4().hex
+        trace.get_current_span().set_attribute("request_id", request_id)
+        tenant = tenant_of(presented_key(request.headers))
+        prepare = PrepareRequest(request_id=request_id, api=route.api, body=body, tenant=tenant)
+        headers = {REQUEST_ID_HEADER: request_id}
+        sse = _Sse(request, request_id)
+        # Subscribe first: the recipe may publish events before its reply reaches us.
+        async with self._pumps.open(request_id) as pump:
+            try:
+                reply = await self._prepare(prepare)
+                if not reply.ok:
+                    return json_response(reply.status, reply.error_body, headers)
+                if reply.stream:
+                    return await self._relay_stream(request, pump, sse, route.errors)
+                return await self._relay_unary(request, pump, headers)
+            except RequestEnded as end:
+                await self._cancel(request_id, end.reason)
+                error = ApiError(end.status, end.message)
+                if sse.response is None:
+                    return error_response(route.errors, error, headers)
+                await sse.write(route.errors.frame(route.errors.body(error)))
+                return await sse.finish()
+            except BaseException as exc:
+                await self._cancel(request_id, self._reason(exc))
+                raise
+
+    async def _prepare(self, prepare: PrepareRequest) -> PrepareReply:
+        try:
+            return await self._bus.request(
+                subjects.RECIPE_PREPARE, prepare, PrepareReply, timeout=self._prepare_timeout_s
+            )
+        except BusTimeout:
+            # Cancel anyway: a recipe too slow to answer may still have taken the request.
+            raise RequestEnded(503, "no recipe is available to serve the request", "no recipe reply") from None
+
+    async def _relay_unary(self, request: web.Request, pump: EventPump, headers: dict[str, str]) -> web.Response:
+        while True:  # events before `done` only prove the request is alive (they reset the silence timer)
+            event = await self._next_event(request, pump)
+            if event.done:
+                return json_response(event.status, event.body, headers)
+
+    async def _relay_stream(
+        self, request: web.Request, pump: EventPump, sse: _Sse, errors: ErrorFormat
+    ) -> web.StreamResponse:
+        while True:
+            event = await self._next_event(request, pump)
+            if event.done and event.status != 200 and event.body and sse.response is None:
+                # Failed before any frame went out: still time for a plain HTTP error (its error frames unused).
+                return json_response(event.status, event.body, {REQUEST_ID_HEADER: pump.request_id})
+            if event.frames:
+                await sse.write(b"".join(event.frames))
+            if event.done:
+                if event.status != 200 and not event.frames and event.body:
+                    await sse.write(errors.frame(event.body))
+                return await sse.finish()
+
+    async def _next_event(self, request: web.Request, pump: EventPump) -> ApiEvent:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._event_timeout_s
+        while True:
+            if request.transport is None or request.transport.is_closing():
+                raise ClientGone("client disconnected")
+            left = deadline - loop.time()
+            if left <= 0:
+                message = f"the model sent nothing for {self._event_timeout_s:g} s"
+                raise RequestEnded(504, message, "timed out")
+            try:
+                return await pump.next(min(left, DISCONNECT_POLL_S))
+            except TimeoutError:
+                continue
+            except PumpAborted as exc:
+                raise RequestEnded(503, "the gateway is shutting down", exc.reason) from None
+
+    def _reason(self, exc: BaseException) -> str:
+        if self._pumps.closing:
+            return "gateway shutting down"
+        if isinstance(exc, (ConnectionResetError, asyncio.CancelledError)):
+            return "client disconnected"
+        return "gateway error"
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
+        self._metrics.cancelled(reason)
+        try:
+            await self._bus.publish(subjects.CANCEL, Cancel(request_id=request_id, reason=reason))
+        except Exception as exc:  # the bus is gone: the other hops' TTLs free the request instead
+            log.warning("could not publish Cancel for %s (%s): %s", request_id, reason, exc)

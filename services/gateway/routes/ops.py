@@ -1,0 +1,32 @@
+"""GET /health and GET /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import orjson
+from aiohttp import web
+
+from services.gateway.errors import json_response
+from services.gateway.metrics import Metrics
+from services.gateway.streaming import Pumps
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class OpsHandler:
+    def __init__(self, connected: Callable[[], bool], pumps: Pumps, metrics: Metrics) -> None:
+        self._connected = connected
+        self._pumps = pumps
+        self._metrics = metrics
+
+    async def health(self, request: web.Request) -> web.Response:
+        # Cheap on purpose: load balancers poll it. Whether a recipe answers shows up as 503s on real requests.
+        if self._pumps.closing:
+            return json_response(503, orjson.dumps({"status": "shutting down"}))
+        if not self._connected():
+            return json_response(503, orjson.dumps({"status": "nats disconnected"}))
+        return json_response(200, orjson.dumps({"status": "ok"}))
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.render().encode(), headers={"Content-Type": PROMETHEUS_TYPE})

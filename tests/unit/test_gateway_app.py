@@ -1,0 +1,75 @@
+"""The aiohttp app over a stand-in bus (no broker): authentication and unexpected failures, in API format."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import test_utils
+
+from services.gateway.app import build_app
+from services.gateway.config import GatewayConfig
+from shared.bus import BusTimeout
+from shared.schemas.generate import Cancel
+
+
+def no_recipe() -> Any:
+    raise BusTimeout("no responders")
+
+
+class FakeBus:
+    """Just enough of `Bus`: `request` runs `answer`, publishes are recorded."""
+
+    def __init__(self, answer: Callable[[], Any] = no_recipe) -> None:
+        self.answer = answer
+        self.published: list[Any] = []
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def request(self, *args: Any, **kwargs: Any) -> Any:
+        return self.answer()
+
+    async def publish(self, subject: str, message: Any) -> None:
+        self.published.append(message)
+
+
+async def test_api_key_required_in_each_api_format() -> None:
+    bus = FakeBus()
+    app = build_app(bus, GatewayConfig(api_key="k"), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/chat/completions", data=b"{}")
+        assert resp.status == 401
+        assert (await resp.json())["error"]["code"] == "invalid_api_key"
+
+        resp = await client.post("/v1/messages", data=b"{}", headers={"x-api-key": "wrong"})
+        assert resp.status == 401
+        assert orjson.loads(await resp.read())["error"]["type"] == "authentication_error"
+
+        assert (await client.get("/v1/models")).status == 401
+        assert (await client.get("/metrics")).status == 200  # health and metrics stay open
+
+        # The right key gets through to the mesh (which has no recipe here: 503, and a Cancel to be safe).
+        resp = await client.post("/v1/messages", data=b"{}", headers={"x-api-key": "k"})
+        assert resp.status == 503
+        assert (await resp.json())["error"]["type"] == "overloaded_error"
+        resp = await client.post("/v1/chat/completions", data=b"{}", headers={"Authorization": "Bearer k"})
+        assert resp.status == 503
+    assert [type(m) for m in bus.published] == [Cancel, Cancel]
+
+
+async def test_unexpected_failure_is_a_500_in_api_format_and_cancels() -> None:
+    def broken() -> Any:
+        raise RuntimeError("a bug")
+
+    bus = FakeBus(broken)
+    app = build_app(bus, GatewayConfig(), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/messages", data=b'{"model": "m"}')
+        assert resp.status == 500
+        assert (await resp.json())["error"]["type"] == "api_error"
+        resp = await client.post("/v1/responses", data=b'{"model": "m"}')
+        assert resp.status == 500
+        assert (await resp.json())["error"]["type"] == "server_error"
+    assert [m.reason for m in bus.published] == ["gateway error", "gateway error"]

@@ -1,0 +1,60 @@
+"""The event pump's ordering and endings, and the metrics text, without a broker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.metrics import Metrics
+from services.gateway.streaming import EventPump, PumpAborted, Reorder
+from shared.bus import Envelope
+from shared.schemas.gateway import ApiEvent
+
+ENV = Envelope(subject="events.r", trace=None)  # type: ignore[arg-type]
+
+
+def ev(seq: int, done: bool = False) -> ApiEvent:
+    return ApiEvent(request_id="r", seq=seq, frames=[f"data: {seq}\n\n".encode()], done=done)
+
+
+def test_reorder_buffers_gaps_and_drops_duplicates() -> None:
+    r = Reorder()
+    assert r.push(ev(2)) == []
+    assert r.push(ev(1)) == []
+    assert r.held == 2
+    assert [e.seq for e in r.push(ev(0))] == [0, 1, 2]
+    assert r.push(ev(1)) == [] and r.push(ev(2)) == []  # duplicates
+    assert r.push(ev(4)) == [] and r.push(ev(4)) == []
+    assert [e.seq for e in r.push(ev(3))] == [3, 4]
+    assert r.held == 0
+
+
+async def test_pump_yields_in_order_times_out_and_aborts() -> None:
+    pump = EventPump("r")
+    for seq in (1, 0, 2):
+        await pump._on_event(ev(seq, done=seq == 2), ENV)
+    assert [(await pump.next(1.0)).seq for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(TimeoutError):
+        await pump.next(0.05)
+
+    waiting = asyncio.ensure_future(pump.next(10.0))
+    await asyncio.sleep(0)
+    pump.abort("gateway shutting down")
+    with pytest.raises(PumpAborted, match="shutting down"):
+        await asyncio.wait_for(waiting, 1.0)
+    with pytest.raises(PumpAborted):  # and stays aborted
+        await pump.next(10.0)
+
+
+def test_metrics_text() -> None:
+    m = Metrics()
+    m.started()
+    m.started()
+    m.finished("chat", 200)
+    m.cancelled('client "gone"')
+    text = m.render()
+    assert 'deepinfer_gateway_requests_total{api="chat",status="200"} 1' in text
+    assert "deepinfer_gateway_requests_in_flight 1" in text
+    assert 'deepinfer_gateway_cancels_total{reason="client \\"gone\\""} 1' in text
+    assert "# TYPE deepinfer_gateway_requests_in_flight gauge" in text
