@@ -322,3 +322,9 @@ class WorkQueue:
                 await self.task
             except (asyncio.CancelledError, Exception):
                 pass
+        # fetch() leaves expired pull-request statuses unprocessed, which would make drain() wait out its whole
+        # timeout on an idle queue: unsubscribe first so drain has nothing of ours to wait for.
+        try:
+            await self._psub.unsubscribe()
+        except Exception as exc:
+            log.debug("unsubscribe: %s", exc)

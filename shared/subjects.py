@@ -39,6 +39,7 @@ def health(service: str) -> str:
 
 # Core NATS streams and broadcasts.
 HEARTBEAT = "workers.heartbeat"
+WORKER_DONE = "workers.done"  # RequestDone: a request left a worker (the balancer forgets the assignment)
 CANCEL = "requests.cancel"
 
 

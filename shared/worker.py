@@ -25,7 +25,7 @@ from shared.engine.engine import Engine
 from shared.kvclient import KvClient
 from shared.models import resolve
 from shared.schemas.generate import Cancel, TokenEvent
-from shared.schemas.workers import Heartbeat
+from shared.schemas.workers import Heartbeat, RequestDone
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,8 @@ class EngineWorker(ABC):
             await self.handle(job, env)
         finally:
             self.active.discard(request_id)
+            assert self.bus is not None
+            await self.bus.publish(subjects.WORKER_DONE, RequestDone(request_id, self.config.instance, self.role))
 
     @abstractmethod
     async def handle(self, job: Any, env: Envelope) -> None: ...

@@ -40,3 +40,8 @@ class KvPutReply:
 @dataclass(frozen=True)
 class KvDelete:
     keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class KvDeleteReply:
+    deleted: int  # entries that were present

@@ -28,3 +28,15 @@ class HealthReply:
     instance: str
     ready: bool
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """A worker's part of a request is over (finished, failed, aborted or handed on), on `workers.done`.
+
+    The balancer drops its assignment on this, so it knows exactly which requests a lost worker held.
+    """
+
+    request_id: str
+    worker_id: str
+    role: str  # "prefill" | "decode"

@@ -59,10 +59,11 @@ def test_streaming_equals_non_streaming(oai: openai.OpenAI) -> None:
 
 def test_anthropic_sdk_streaming_and_not(mesh: Mesh) -> None:
     client = anthropic.Anthropic(base_url=mesh.base_url, api_key="test-key", max_retries=0, timeout=120)
-    message = client.messages.create(model=MODEL, max_tokens=20, temperature=0, messages=FRANCE)
+    greedy = {"temperature": 0}  # through extra_body: this SDK version no longer takes it as an argument
+    message = client.messages.create(model=MODEL, max_tokens=20, messages=FRANCE, extra_body=greedy)
     assert "Paris" in message.content[0].text
     assert message.stop_reason in ("end_turn", "max_tokens")
-    with client.messages.stream(model=MODEL, max_tokens=20, temperature=0, messages=FRANCE) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=20, messages=FRANCE, extra_body=greedy) as stream:
         streamed = "".join(stream.text_stream)
     assert streamed == message.content[0].text
 
@@ -173,10 +174,9 @@ def test_cancelled_stream_frees_kv_blocks(mesh: Mesh) -> None:
             async with session.post(f"{mesh.base_url}/v1/chat/completions", json=body) as r:
                 assert r.status == 200
                 chunks = 0
-                async for line in r.content:
-                    if line.startswith(b"data: {"):
-                        chunks += 1
-                    if chunks >= 5:
+                async for line in r.content:  # keep reading until a heartbeat has seen the request running
+                    chunks += line.startswith(b"data: {")
+                    if chunks >= 5 and watcher.done():
                         break
             busy = await watcher
         # The connection is closed now: the gateway cancels, decode aborts and frees the blocks.

@@ -1,0 +1,8 @@
+"""`python -m services.kvcache [--capacity-bytes N] [--map-size N] [--tail-ttl S]`"""
+
+from services.kvcache import config
+from services.kvcache.service import KvCacheService
+from shared.service import main
+
+if __name__ == "__main__":
+    main("kvcache", lambda common, args: KvCacheService(config.from_args(common, args)), config.add_args)

@@ -1,0 +1,137 @@
+"""The kvcache service: `kv.lookup / kv.get / kv.put / kv.delete` over the store, plus a periodic sweep.
+
+Every store call runs on one dedicated I/O thread: LMDB reads of a cold page and fsyncs can block, and the store
+is not thread-safe, so one thread both keeps the event loop free and serializes access. The environment is
+opened on that thread when the service starts (never before a fork).
+
+Instances in the `kvcache` queue group each own their store; run one per state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import orjson
+from nats.aio.subscription import Subscription
+
+from services.kvcache.config import KvCacheConfig
+from services.kvcache.store import KvStore
+from services.kvcache.tiers.lmdb import LmdbTier
+from shared import subjects
+from shared.bus import Bus
+from shared.schemas.kv import (
+    KvDelete,
+    KvDeleteReply,
+    KvGet,
+    KvGetReply,
+    KvLookup,
+    KvLookupReply,
+    KvPut,
+    KvPutReply,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REPLY_OVERHEAD = 4096  # msgpack framing and headers around the blobs of a get reply
+
+
+class KvCacheService:
+    name = "kvcache"
+
+    def __init__(self, config: KvCacheConfig) -> None:
+        self.config = config
+        self.store: KvStore | None = None
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-io")
+        self._subs: list[Subscription] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self._max_reply = 0
+
+    # --- Service protocol --------------------------------------------------------------------------------------
+
+    async def start(self, bus: Bus) -> None:
+        self.store = await self._run(self._open)
+        self._max_reply = bus.max_payload - REPLY_OVERHEAD
+        group = subjects.KVCACHE_GROUP
+        self._subs = [
+            await bus.serve(subjects.KV_LOOKUP, KvLookup, self._lookup, queue=group),
+            await bus.serve(subjects.KV_GET, KvGet, self._get, queue=group),
+            await bus.serve(subjects.KV_PUT, KvPut, self._put, queue=group),
+            await bus.serve(subjects.KV_DELETE, KvDelete, self._delete, queue=group),
+        ]
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs = []
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        if self.store is not None:
+            await self._run(self.store.close)
+            self.store = None
+        self._io.shutdown(wait=True)
+
+    def health(self) -> tuple[bool, str]:
+        if self.store is None:
+            return False, "store not open"
+        # Counters are plain ints written by the I/O thread; a slightly torn snapshot is fine for a report.
+        return True, orjson.dumps(self.store.stats()).decode()
+
+    # --- handlers ----------------------------------------------------------------------------------------------
+
+    async def _lookup(self, req: KvLookup) -> KvLookupReply:
+        assert self.store is not None
+        return KvLookupReply(hits=await self._run(self.store.lookup, req.hashes))
+
+    async def _get(self, req: KvGet) -> KvGetReply:
+        assert self.store is not None
+        return KvGetReply(blobs=self._fit(await self._run(self.store.get, req.keys)))
+
+    async def _put(self, req: KvPut) -> KvPutReply:
+        assert self.store is not None
+        return KvPutReply(stored=await self._run(self.store.put, req.key, req.data, req.ttl_s))
+
+    async def _delete(self, req: KvDelete) -> KvDeleteReply:
+        assert self.store is not None
+        return KvDeleteReply(deleted=await self._run(self.store.delete, req.keys))
+
+    def _fit(self, blobs: list[bytes | None]) -> list[bytes | None]:
+        """Blobs up to the reply size limit, the rest as misses: callers read prefix runs and recompute the rest."""
+        room = self._max_reply
+        out: list[bytes | None] = []
+        for blob in blobs:
+            if blob is not None and len(blob) > room:
+                log.warning("kv.get reply over the payload limit: ask for fewer keys per request")
+                return out + [None] * (len(blobs) - len(out))
+            room -= len(blob or b"")
+            out.append(blob)
+        return out
+
+    # --- internals ---------------------------------------------------------------------------------------------
+
+    def _open(self) -> KvStore:
+        tier = LmdbTier(self.config.root, capacity_bytes=self.config.capacity_bytes, map_size=self.config.map_size)
+        log.info("kvcache store at %s: %s", self.config.root, tier.stats())
+        return KvStore([tier], max_ttl_s=self.config.tail_ttl_s)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            assert self.store is not None
+            try:
+                expired = await self._run(self.store.sweep)
+            except Exception:
+                log.exception("kvcache sweep failed")
+                continue
+            if expired:
+                log.debug("expired %d short-term entries", expired)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

@@ -1,0 +1,1 @@
+"""Storage tiers of the KV store (see `services.kvcache.store.Tier`)."""

@@ -1,0 +1,83 @@
+"""The kvcache service on a real nats-server: put, lookup, get, delete over the bus."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+
+from services.kvcache.config import KvCacheConfig
+from services.kvcache.service import KvCacheService
+from shared import hashing, subjects
+from shared.bus import Bus
+from shared.kvclient import KvClient
+from shared.schemas.kv import (
+    KvDelete,
+    KvDeleteReply,
+    KvGet,
+    KvGetReply,
+    KvLookup,
+    KvLookupReply,
+    KvPut,
+    KvPutReply,
+)
+
+BLOCK = 256 * 1024
+
+
+async def test_put_lookup_get_delete_over_the_bus(nats_url: str, tmp_path: Path) -> None:
+    service = KvCacheService(
+        KvCacheConfig(tmp_path / "kvcache", capacity_bytes=64 << 20, map_size=128 << 20, sweep_interval_s=0.1)
+    )
+    bus = await Bus.connect(nats_url, "kvcache-test")
+    try:
+        await service.start(bus)
+        hashes = hashing.block_hashes(list(range(4 * hashing.BLOCK_TOKENS)), hashing.namespace("m"))
+        blobs = [bytes([i]) * BLOCK for i in range(3)]
+        for key, data in zip(hashes, blobs):
+            reply = await bus.request(subjects.KV_PUT, KvPut(key, data), KvPutReply)
+            assert reply.stored
+        assert (await bus.request(subjects.KV_LOOKUP, KvLookup(hashes), KvLookupReply)).hits == 3
+
+        got = await bus.request(subjects.KV_GET, KvGet([hashes[0], hashes[3], hashes[2]]), KvGetReply)
+        assert got.blobs == [blobs[0], None, blobs[2]]
+
+        # The workers' own client reads the same store.
+        client = KvClient(bus)
+        assert await client.get_run(hashes) == blobs
+
+        put = KvPut(b"tail:r1", b"tail-bytes", ttl_s=0.2)
+        assert (await bus.request(subjects.KV_PUT, put, KvPutReply)).stored
+        assert (await bus.request(subjects.KV_GET, KvGet([b"tail:r1"]), KvGetReply)).blobs == [b"tail-bytes"]
+        await asyncio.sleep(0.5)  # past the TTL and at least one sweep
+        assert (await bus.request(subjects.KV_GET, KvGet([b"tail:r1"]), KvGetReply)).blobs == [None]
+
+        deleted = await bus.request(subjects.KV_DELETE, KvDelete([hashes[1]]), KvDeleteReply)
+        assert deleted.deleted == 1
+        assert (await bus.request(subjects.KV_LOOKUP, KvLookup(hashes), KvLookupReply)).hits == 1
+
+        ready, detail = service.health()
+        stats = orjson.loads(detail)
+        assert ready and stats["lmdb"]["entries"] == 2 and stats["lmdb"]["expired"] == 1
+        assert stats["counters"]["get_hits"] >= 5
+    finally:
+        await service.stop()
+        await bus.drain()
+
+
+async def test_store_survives_a_service_restart(nats_url: str, tmp_path: Path) -> None:
+    config = KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20)
+    key = hashing.block_hashes(list(range(hashing.BLOCK_TOKENS)), hashing.namespace("m"))[0]
+    for round_ in range(2):
+        service = KvCacheService(config)
+        bus = await Bus.connect(nats_url, f"kvcache-restart-{round_}")
+        try:
+            await service.start(bus)
+            if round_ == 0:
+                assert (await bus.request(subjects.KV_PUT, KvPut(key, b"kv"), KvPutReply)).stored
+            else:
+                assert (await bus.request(subjects.KV_GET, KvGet([key]), KvGetReply)).blobs == [b"kv"]
+        finally:
+            await service.stop()
+            await bus.drain()

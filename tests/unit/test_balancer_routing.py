@@ -1,0 +1,186 @@
+"""The balancer's routing loop against a recording fake bus and a fake clock: waits, failures, lost workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from services.balancer.service import BalancerService
+from shared import subjects
+from shared.bus import Envelope, Retry
+from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
+from shared.schemas.workers import Heartbeat, RequestDone
+
+MODEL = "m"
+ENV = Envelope("x", None)  # type: ignore[arg-type]
+
+
+class Stub:
+    async def unsubscribe(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass
+class FakeBus:
+    submitted: list[tuple[str, Any, str]] = field(default_factory=list)
+    published: list[tuple[str, Any]] = field(default_factory=list)
+    fail_submit: bool = False
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> Stub:
+        return Stub()
+
+    async def work_queue(self, *args: Any, **kwargs: Any) -> Stub:
+        return Stub()
+
+    async def submit(self, subject: str, message: Any, *, msg_id: str) -> None:
+        if self.fail_submit:
+            raise ConnectionError("down")
+        self.submitted.append((subject, message, msg_id))
+
+    async def publish(self, subject: str, message: Any, **kwargs: Any) -> None:
+        self.published.append((subject, message))
+
+
+class Clock:
+    t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def request(rid: str, tokens: int = 40, arrival: float = 0.0) -> GenerateRequest:
+    return GenerateRequest(rid, MODEL, list(range(tokens)), SamplingParams(), arrival=arrival)
+
+
+def decode_job(rid: str) -> DecodeJob:
+    return DecodeJob(request(rid), first_token=1, block_hashes=[], tail_key=b"", cached_tokens=0, prefill_worker="p")
+
+
+async def heartbeat(svc: BalancerService, worker: str, clock: Clock, role: str = "prefill", **load: int) -> None:
+    fields = {"queued_tokens": 0, "running": 0, "free_blocks": 100, "total_blocks": 100, **load}
+    await svc._on_heartbeat(Heartbeat(worker, role, MODEL, sent_at=clock.t, **fields), ENV)
+
+
+@pytest.fixture
+async def setup() -> Any:
+    clock, bus = Clock(), FakeBus()
+    svc = BalancerService(worker_timeout_s=3.0, route_wait_s=10.0, retry_delay_s=0.5, clock=clock)
+    await svc.start(bus)  # type: ignore[arg-type]
+    yield svc, bus, clock
+    await svc.stop()
+
+
+def errors(bus: FakeBus) -> list[tuple[str, str]]:
+    return [(m.request_id, m.error) for s, m in bus.published if isinstance(m, TokenEvent) and m.error_status == 503]
+
+
+async def test_no_worker_retries_then_fails_with_503(setup: Any) -> None:
+    svc, bus, clock = setup
+    with pytest.raises(Retry):
+        await svc.route("prefill", request("r1", arrival=clock.t - 4.0))  # waited 4 s of 10 already
+    clock.t += 5.0
+    with pytest.raises(Retry):
+        await svc.route("prefill", request("r1", arrival=clock.t - 9.0))
+    clock.t += 1.5
+    await svc.route("prefill", request("r1", arrival=clock.t - 10.5))
+    assert errors(bus) == [("r1", "no prefill worker available")]
+    assert bus.published[0][0] == subjects.tokens("r1")
+    assert bus.submitted == []
+
+
+async def test_places_spreads_and_ignores_redelivery(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await heartbeat(svc, "p2", clock)
+    for rid in ("r1", "r2", "r3"):
+        await svc.route("prefill", request(rid))
+    await svc.route("prefill", request("r1"))  # redelivered after a lost ack: already placed
+    placed = [(s, m.worker_id, i) for s, m, i in bus.submitted]
+    assert placed == [
+        (subjects.prefill_work("p1"), "p1", "r1:prefill"),
+        (subjects.prefill_work("p2"), "p2", "r2:prefill"),
+        (subjects.prefill_work("p1"), "p1", "r3:prefill"),
+    ]
+    assert all(isinstance(m, PrefillJob) for _, m, _ in bus.submitted)
+
+
+async def test_lost_prefill_worker_reroutes_and_lost_decode_worker_fails(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await heartbeat(svc, "p2", clock, queued_tokens=10_000)
+    await heartbeat(svc, "d1", clock, role="decode")
+    await svc.route("prefill", request("r1"))
+    await svc.route("prefill", request("r2"))
+    await svc.route("decode", decode_job("r3"))
+    await svc._on_done(RequestDone("r2", "p1", "prefill"), ENV)  # r2 left p1: nothing to recover
+    assert [m.worker_id for _, m, _ in bus.submitted] == ["p1", "p1", "d1"]
+    clock.t += 2.0
+    await heartbeat(svc, "p2", clock, queued_tokens=10_000)  # only p2 stays alive
+    clock.t += 2.0
+    await svc.reap(clock.t)
+    assert "p1" not in svc.registry and "d1" not in svc.registry
+    subject, job, msg_id = bus.submitted[-1]
+    assert (subject, job.request.request_id, job.worker_id, msg_id) == (
+        subjects.prefill_work("p2"),
+        "r1",
+        "p2",
+        "r1:prefill:1",
+    )
+    assert len(bus.submitted) == 4
+    assert errors(bus) == [("r3", "worker lost")]
+    assert svc.assignments.get("r1", "prefill").worker_id == "p2"  # type: ignore[union-attr]
+
+
+async def test_lost_prefill_worker_with_no_other_worker_fails(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await svc.route("prefill", request("r1"))
+    clock.t += 3.5
+    await svc.reap(clock.t)
+    assert errors(bus) == [("r1", "worker lost")]
+    assert len(svc.assignments) == 0
+
+
+async def test_decode_waits_for_room_and_clears_the_prefill_assignment(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await heartbeat(svc, "d1", clock, role="decode", free_blocks=2)
+    await svc.route("prefill", request("r1"))
+    with pytest.raises(Retry):  # 41 tokens need 3 blocks; d1 has 2
+        await svc.route("decode", decode_job("r1"))
+    assert svc.assignments.get("r1", "prefill") is None  # prefill handed the request on
+    await heartbeat(svc, "d1", clock, role="decode", free_blocks=50)
+    await svc.route("decode", decode_job("r1"))
+    subject, job, msg_id = bus.submitted[-1]
+    assert (subject, job.worker_id, msg_id) == (subjects.decode_work("d1"), "d1", "r1:decode")
+
+
+async def test_cancelled_requests_are_dropped_and_forgotten(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await svc.route("prefill", request("r1"))
+    await svc._on_cancel(Cancel("r1"), ENV)
+    await svc._on_cancel(Cancel("r2"), ENV)
+    await svc.route("prefill", request("r2"))  # still queued when the cancel came: never placed
+    assert len(bus.submitted) == 1 and len(svc.assignments) == 0
+    clock.t += 3.5
+    await svc.reap(clock.t)
+    assert errors(bus) == []  # r1 was cancelled: nothing to fail
+
+
+async def test_failed_submit_leaves_no_bookkeeping(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    bus.fail_submit = True
+    with pytest.raises(ConnectionError):
+        await svc.route("prefill", request("r1"))
+    assert len(svc.assignments) == 0
+    assert svc.registry.candidates("prefill", MODEL, clock.t)[0].pending_tokens == 0
+
+
+def test_rejects_unknown_roles() -> None:
+    with pytest.raises(ValueError):
+        BalancerService(["prefill", "vision-typo"])
