@@ -1,0 +1,240 @@
+"""The recipe service: API request -> prompt token ids -> the mesh; engine tokens -> API events.
+
+    gateway --recipe.prepare--> prepare(): validate, render, encode, check limits,
+                                subscribe tokens.<rid>, submit GenerateRequest to work.route.prefill, reply
+    prefill/decode --tokens.<rid>--> on_tokens(): Flight (reorder, detokenize, stops, format)
+                                --events.<rid>--> gateway;  --requests.cancel--> workers (stop string hit)
+    anyone --requests.cancel--> on_cancel(): drop the request's state
+
+Per-request state (a Flight and its token subscription) ends on finish, on cancel, or after `ttl_s` without
+a token event (the client then gets a 504 and the workers a Cancel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+
+import orjson
+from nats.aio.subscription import Subscription
+
+from services.recipe.apis import APIS, Api, ApiError, ChatRequest, openai_error
+from services.recipe.chat_template import TemplateError
+from services.recipe.flight import Flight, Output
+from services.recipe.model import ServedModel
+from shared import subjects
+from shared.bus import Bus, Envelope
+from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
+from shared.schemas.generate import Cancel, GenerateRequest, SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+
+SEED_BITS = 63  # drawn seeds fit a signed int64 everywhere they travel
+
+
+def _refuse(error: ApiError) -> PrepareReply:
+    return PrepareReply(ok=False, status=error.status, error_body=error.body)
+
+
+class RecipeService:
+    name = "recipe"
+
+    def __init__(self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0) -> None:
+        """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load
+        in `start`, off the event loop."""
+        if not model_specs:
+            raise ValueError("the recipe needs at least one model")
+        self._specs = list(model_specs)
+        self._ttl_s = ttl_s
+        self._stop_grace_s = stop_grace_s
+        self._models: dict[str, ServedModel] = {}
+        self._flights: dict[str, Flight] = {}
+        self._token_subs: dict[str, Subscription] = {}
+        self._prepare_sub: Subscription | None = None
+        self._cancel_sub: Subscription | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._bus: Bus | None = None
+        self._status = "not started"
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    async def start(self, bus: Bus) -> None:
+        self._bus = bus
+        self._status = f"loading {', '.join(self._specs)}"
+        models = await asyncio.gather(*(asyncio.to_thread(ServedModel.load, s) for s in self._specs))
+        self._models = {m.name: m for m in models}
+        await bus.ensure_work_stream()  # submits must not fail while no balancer has created it yet
+        self._cancel_sub = await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
+        self._prepare_sub = await bus.serve(
+            subjects.RECIPE_PREPARE, PrepareRequest, self.prepare, queue=subjects.RECIPE_GROUP
+        )
+        self._reaper = asyncio.create_task(self._reap())
+        self._status = "ready"
+        log.info("serving %s", ", ".join(f"{m.name} (context {m.info.context_length})" for m in models))
+
+    async def stop(self) -> None:
+        """Take no new requests, let those in flight finish for a grace period, then fail the rest."""
+        self._status = "stopping"
+        if self._prepare_sub is not None:
+            await _unsubscribe(self._prepare_sub)
+        deadline = time.monotonic() + self._stop_grace_s
+        while self._flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for flight in list(self._flights.values()):
+            await self._emit(flight, flight.fail(flight.api.error(503, "the service is restarting"), "shutdown"))
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._cancel_sub is not None:
+            await _unsubscribe(self._cancel_sub)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+
+    def health(self) -> tuple[bool, str]:
+        ready = self._status == "ready"
+        return ready, f"{len(self._flights)} in flight" if ready else self._status
+
+    # --- prepare: API request -> GenerateRequest -----------------------------------------------------------
+
+    async def prepare(self, req: PrepareRequest) -> PrepareReply:
+        api = APIS.get(req.api)
+        if api is None:
+            return _refuse(openai_error(404, f"API {req.api!r} is not supported", code="unsupported_api"))
+        if req.request_id in self._flights:
+            return _refuse(api.error(409, f"request id {req.request_id} is already in flight"))
+        try:
+            chat, model = self._parse(api, req.body)
+            prompt_ids = await asyncio.to_thread(self._encode, api, model, chat)
+            max_tokens = self._max_tokens(api, model, chat, len(prompt_ids))
+        except ApiError as err:
+            return _refuse(err)
+        except Exception:  # a codec bug: the client still gets an answer in its API's format, not a timeout
+            log.exception("%s: prepare failed", req.request_id)
+            return _refuse(api.error(500, "internal error while preparing the request"))
+        return await self._launch(req, api, chat, model, prompt_ids, max_tokens)
+
+    def _parse(self, api: Api, body: bytes) -> tuple[ChatRequest, ServedModel]:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise api.error(400, f"the request body is not valid JSON: {exc}") from None
+        chat = api.parse(data)
+        model = self._models.get(chat.model)
+        if model is None:
+            raise api.model_not_found(chat.model)
+        return chat, model
+
+    @staticmethod
+    def _encode(api: Api, model: ServedModel, chat: ChatRequest) -> list[int]:
+        try:
+            return model.prompt_ids(chat)
+        except TemplateError as exc:
+            raise api.error(400, str(exc), "messages") from None
+
+    @staticmethod
+    def _max_tokens(api: Api, model: ServedModel, chat: ChatRequest, prompt_tokens: int) -> int:
+        """The client's max_tokens, or the rest of the context; refused when it does not fit."""
+        context = model.info.context_length
+        room = context - prompt_tokens
+        if chat.max_tokens is None:
+            if room < 1:
+                raise api.too_long(prompt_tokens, None, context)
+            return room
+        if chat.max_tokens > room:
+            raise api.too_long(prompt_tokens, chat.max_tokens, context)
+        return chat.max_tokens
+
+    async def _launch(
+        self, req: PrepareRequest, api: Api, chat: ChatRequest, model: ServedModel, prompt_ids: list[int],
+        max_tokens: int,
+    ) -> PrepareReply:
+        assert self._bus is not None
+        rid = req.request_id
+        seed = chat.seed if chat.seed is not None else secrets.randbits(SEED_BITS)
+        stop_ids = model.tokenizer.eos_ids
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k, seed=seed,
+            stop_token_ids=sorted(stop_ids),
+        )
+        now = time.monotonic()
+        self._flights[rid] = Flight(
+            rid, api, chat, api.writer(rid, chat, int(time.time())), model.tokenizer,
+            prompt_tokens=len(prompt_ids), max_tokens=max_tokens, stop_ids=stop_ids, now=now,
+        )
+        # Subscribe before submitting: the first token can come back before this reply does.
+        self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
+        generate = GenerateRequest(rid, model.name, prompt_ids, sampling, cache_salt=req.tenant, arrival=time.time())
+        try:
+            await self._bus.submit(subjects.ROUTE_PREFILL, generate, msg_id=rid)
+        except Exception as exc:  # JetStream unavailable: nothing was queued, nothing to cancel
+            log.warning("%s: submit failed: %s", rid, exc)
+            self._drop(rid)
+            return _refuse(api.error(503, "the model is not available right now, try again"))
+        if rid not in self._flights:  # cancelled while being submitted: the workers must drop it too
+            await self._bus.publish(subjects.CANCEL, Cancel(rid, reason="cancelled"))
+        log.info(
+            "%s %s model=%s prompt=%d max_tokens=%d seed=%d temperature=%g top_p=%g top_k=%d stream=%s",
+            rid, api.name, model.name, len(prompt_ids), max_tokens, seed, chat.temperature, chat.top_p, chat.top_k,
+            chat.stream,
+        )
+        return PrepareReply(ok=True, stream=chat.stream, prompt_tokens=len(prompt_ids))
+
+    # --- the output side -----------------------------------------------------------------------------------
+
+    async def _on_tokens(self, ev: TokenEvent, _: Envelope) -> None:
+        flight = self._flights.get(ev.request_id)
+        if flight is None:
+            return  # finished, cancelled or expired: late tokens are dropped
+        try:
+            out = flight.on_event(ev, time.monotonic())
+        except Exception:  # a codec bug must still end the client's request
+            log.exception("%s: formatting failed", ev.request_id)
+            out = flight.fail(flight.api.error(500, "internal error while formatting the response"), "error")
+        if out is not None:
+            await self._emit(flight, out)
+
+    async def _emit(self, flight: Flight, out: Output) -> None:
+        assert self._bus is not None
+        rid = flight.request_id
+        if out.done:
+            self._drop(rid)
+        if out.frames or out.done:
+            event = ApiEvent(rid, flight.next_seq(), out.frames, out.done, out.status, out.body)
+            await self._bus.publish(subjects.events(rid), event)
+        if out.cancel:
+            await self._bus.publish(subjects.CANCEL, Cancel(rid, reason=out.cancel))
+
+    async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+        if self._drop(cancel.request_id):
+            log.info("%s cancelled: %s", cancel.request_id, cancel.reason)
+
+    def _drop(self, rid: str) -> bool:
+        """End a request's state. Unsubscribing runs as its own task: it may be called from inside the token
+        subscription's handler, and unsubscribing there would cancel the handler mid-way."""
+        flight = self._flights.pop(rid, None)
+        sub = self._token_subs.pop(rid, None)
+        if sub is not None:
+            task = asyncio.create_task(_unsubscribe(sub))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return flight is not None
+
+    async def _reap(self) -> None:
+        interval = max(0.05, min(self._ttl_s / 4, 5.0))
+        while True:
+            await asyncio.sleep(interval)
+            cutoff = time.monotonic() - self._ttl_s
+            for flight in [f for f in self._flights.values() if f.last_seen < cutoff]:
+                log.warning("%s: no tokens for %.0f s, expiring", flight.request_id, self._ttl_s)
+                error = flight.api.error(504, "timed out waiting for the model")
+                await self._emit(flight, flight.fail(error, "timeout"))
+
+
+async def _unsubscribe(sub: Subscription) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception as exc:  # already closed or the connection is draining: nothing left to remove
+        log.debug("unsubscribe: %s", exc)

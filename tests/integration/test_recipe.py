@@ -1,0 +1,207 @@
+"""The recipe service on a real nats-server. The test plays the gateway (prepare, events.<rid>) and the engine
+(takes the GenerateRequest from the work queue, publishes TokenEvents out of order on tokens.<rid>)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+
+from services.recipe.service import RecipeService
+from shared import subjects
+from shared.bus import Bus, Envelope
+from shared.models import resolve
+from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
+from shared.schemas.generate import Cancel, GenerateRequest, TokenEvent
+from shared.tokenizer import Tokenizer, load_tokenizer
+
+MODEL = "SmolLM2-135M-Instruct"
+EOS = 2
+
+
+@dataclass
+class Mesh:
+    """The recipe under test plus the test's own connection, playing the gateway and the engine."""
+
+    recipe: RecipeService
+    bus: Bus
+    tokenizer: Tokenizer
+    work: asyncio.Queue[GenerateRequest] = field(default_factory=asyncio.Queue)
+    cancels: asyncio.Queue[Cancel] = field(default_factory=asyncio.Queue)
+
+    async def prepare(self, api: str, body: dict[str, Any], *, tenant: str = "") -> tuple[str, PrepareReply,
+                                                                                           asyncio.Queue[ApiEvent]]:
+        rid = uuid.uuid4().hex
+        events: asyncio.Queue[ApiEvent] = asyncio.Queue()
+
+        async def on_event(ev: ApiEvent, _: Envelope) -> None:
+            await events.put(ev)
+
+        await self.bus.subscribe(subjects.events(rid), ApiEvent, on_event)  # as the gateway: before prepare
+        req = PrepareRequest(rid, api, orjson.dumps(body), tenant)
+        reply = await self.bus.request(subjects.RECIPE_PREPARE, req, PrepareReply, timeout=5.0)
+        return rid, reply, events
+
+    async def tokens(self, rid: str, *events: TokenEvent) -> None:
+        for ev in events:
+            await self.bus.publish(subjects.tokens(rid), ev)
+
+    async def until_done(self, events: asyncio.Queue[ApiEvent]) -> list[ApiEvent]:
+        out: list[ApiEvent] = []
+        while not out or not out[-1].done:
+            out.append(await asyncio.wait_for(events.get(), 5.0))
+        return out
+
+
+@pytest.fixture
+async def mesh(nats_url: str) -> AsyncIterator[Mesh]:
+    recipe_bus = await Bus.connect(nats_url, "recipe-test")
+    test_bus = await Bus.connect(nats_url, "mesh-test")
+    recipe = RecipeService([MODEL], ttl_s=0.5, stop_grace_s=0.0)
+    await recipe.start(recipe_bus)
+    m = Mesh(recipe, test_bus, load_tokenizer(resolve(MODEL)))
+
+    async def on_work(req: GenerateRequest, _: Envelope) -> None:
+        await m.work.put(req)
+
+    async def on_cancel(c: Cancel, _: Envelope) -> None:
+        await m.cancels.put(c)
+
+    # A core subscription sees every message JetStream stores on the subject: the test reads the submitted
+    # GenerateRequests without a consumer (each test gets only its own; the stream just keeps them).
+    await test_bus.subscribe(subjects.ROUTE_PREFILL, GenerateRequest, on_work)
+    await test_bus.subscribe(subjects.CANCEL, Cancel, on_cancel)
+    try:
+        yield m
+    finally:
+        await recipe.stop()
+        await recipe_bus.drain()
+        await test_bus.drain()
+
+
+def _split(ids: list[int], sizes: list[int], finish: str, prompt: int, cached: int = 0) -> list[TokenEvent]:
+    """Consecutive TokenEvents over `ids`: the first has the prompt counts, the last the finish reason."""
+    events, pos = [], 0
+    for i, n in enumerate(sizes):
+        last = i == len(sizes) - 1
+        events.append(TokenEvent("", pos, ids[pos : pos + n], finish if last else None,
+                                 prompt if pos == 0 else 0, cached if pos == 0 else 0))
+        pos += n
+    assert pos == len(ids)
+    return events
+
+
+def _with_rid(rid: str, events: list[TokenEvent]) -> list[TokenEvent]:
+    return [TokenEvent(rid, e.index, e.token_ids, e.finish_reason, e.prompt_tokens, e.cached_tokens) for e in events]
+
+
+async def test_openai_stream_out_of_order_with_usage(mesh: Mesh) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "stream": True, "stream_options": {"include_usage": True}}
+    rid, reply, events = await mesh.prepare("chat", body, tenant="acme")
+    assert reply.ok and reply.stream
+
+    work = await asyncio.wait_for(mesh.work.get(), 5.0)
+    expected_prompt = mesh.tokenizer.encode(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert work.request_id == rid and work.model == MODEL and work.cache_salt == "acme"
+    assert work.prompt_ids == expected_prompt and reply.prompt_tokens == len(expected_prompt)
+    assert work.sampling.max_tokens == 8192 - len(expected_prompt)  # unset: the rest of the context
+    assert work.sampling.seed is not None and EOS in work.sampling.stop_token_ids
+
+    ids = mesh.tokenizer.encode("The capital of France is Paris. 🇫🇷") + [EOS]
+    parts = _with_rid(rid, _split(ids, [1, 4, 3, len(ids) - 8], "stop", len(expected_prompt), cached=16))
+    await mesh.tokens(rid, parts[2], parts[3], parts[1])  # decode's tokens overtake prefill's first one
+    await asyncio.sleep(0.1)
+    assert events.empty()
+    await mesh.tokens(rid, parts[0])
+    got = await mesh.until_done(events)
+
+    assert [e.seq for e in got] == list(range(len(got)))
+    frames = [f for e in got for f in e.frames]
+    assert frames[-1] == b"data: [DONE]\n\n"
+    chunks = [orjson.loads(f.removeprefix(b"data: ")) for f in frames[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "The capital of France is Paris. 🇫🇷"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": len(expected_prompt), "completion_tokens": len(ids),
+        "total_tokens": len(expected_prompt) + len(ids), "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert mesh.cancels.empty()  # the engine finished by itself: nothing to cancel
+    assert mesh.recipe.health() == (True, "0 in flight")
+
+
+async def test_anthropic_stop_sequence_cancels_the_workers(mesh: Mesh) -> None:
+    body = {"model": MODEL, "max_tokens": 64, "stop_sequences": ["STOP"], "system": "Be brief.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello"}]}]}
+    rid, reply, events = await mesh.prepare("messages", body)
+    assert reply.ok and not reply.stream
+    work = await asyncio.wait_for(mesh.work.get(), 5.0)
+    assert work.sampling.max_tokens == 64 and work.sampling.temperature == 1.0
+
+    ids = mesh.tokenizer.encode("Hello there! STOP and then more text")
+    await mesh.tokens(rid, *_with_rid(rid, _split(ids, [1] * len(ids), "length", reply.prompt_tokens))[::-1])
+    (final,) = await mesh.until_done(events)
+    message = orjson.loads(final.body)
+    assert message["content"] == [{"type": "text", "text": "Hello there! "}]
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "STOP")
+    assert message["usage"]["input_tokens"] == reply.prompt_tokens
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="stop")
+
+
+@pytest.mark.parametrize(
+    ("api", "body", "status", "error_type"),
+    [
+        ("chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "invalid_request_error"),
+        ("messages", {"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 404,
+         "not_found_error"),
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}, 400,
+         "invalid_request_error"),
+        ("messages", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error"),
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400,
+         "invalid_request_error"),
+    ],
+)
+async def test_refusals_come_back_in_the_apis_format(
+    mesh: Mesh, api: str, body: dict[str, Any], status: int, error_type: str
+) -> None:
+    _, reply, _ = await mesh.prepare(api, body)
+    assert not reply.ok and reply.status == status
+    error = orjson.loads(reply.error_body)
+    assert (error["error"]["type"] if api == "chat" else error["error"]["type"]) == error_type
+    assert mesh.work.empty()
+
+
+async def test_gateway_cancel_drops_the_request(mesh: Mesh) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    rid, reply, events = await mesh.prepare("chat", body)
+    assert reply.ok and mesh.recipe.health() == (True, "1 in flight")
+    await mesh.bus.publish(subjects.CANCEL, Cancel(rid, reason="client disconnected"))
+    await asyncio.sleep(0.1)
+    assert mesh.recipe.health() == (True, "0 in flight")
+    await mesh.tokens(rid, TokenEvent(rid, 0, mesh.tokenizer.encode("late"), "stop", prompt_tokens=5))
+    await asyncio.sleep(0.1)
+    assert events.empty()
+
+
+async def test_mesh_error_and_ttl_expiry(mesh: Mesh) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    rid, _, events = await mesh.prepare("chat", body)
+    await mesh.tokens(rid, TokenEvent(rid, 0, [], "error", error="no prefill worker", error_status=503))
+    (failed,) = await mesh.until_done(events)
+    assert failed.status == 503 and orjson.loads(failed.body)["error"]["message"] == "no prefill worker"
+
+    rid, _, events = await mesh.prepare("messages", {**body, "max_tokens": 8, "stream": True})
+    (expired,) = await mesh.until_done(events)  # ttl_s=0.5 and no tokens ever come
+    assert expired.status == 504 and expired.frames[0].startswith(b"event: error\n")
+    assert orjson.loads(expired.body)["error"]["type"] == "timeout_error"
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="timeout")
+    assert mesh.recipe.health() == (True, "0 in flight")
