@@ -25,7 +25,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.recipe.chat_template import render_chat  # noqa: E402
+from services.recipe.chat_template import ChatTemplate  # noqa: E402
 from shared.engine.async_engine import AsyncEngine  # noqa: E402
 from shared.engine.engine import Engine, EngineRequest  # noqa: E402
 from shared.model_info import load_model_info  # noqa: E402
@@ -127,9 +127,8 @@ def render(prompts: list[str]) -> list[list[int]]:
     files = resolve(MODEL)
     info = load_model_info(files)
     tokenizer = load_tokenizer(files)
-    return [
-        tokenizer.encode(render_chat(info, [{"role": "user", "content": p}])) for p in prompts
-    ]
+    template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
+    return [tokenizer.encode(template.render([{"role": "user", "content": p}])) for p in prompts]
 
 
 async def run(args: argparse.Namespace) -> list[Row]:
