@@ -1,0 +1,38 @@
+"""The engine's public request/result types: what the prefill and decode services code against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.schemas.generate import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    token_ids: list[int]  # all tokens so far (prompt, plus any already-generated tokens)
+    sampling: SamplingParams  # max_tokens there is ignored here
+    max_new_tokens: int  # how many tokens this engine may still generate
+    output_offset: int = 0  # output position of the next generated token (for seeded sampling)
+    prefix_blocks: list[bytes] = field(default_factory=list)  # KV of tokens [0, prefix_tokens), one blob per block
+    prefix_tokens: int = 0
+    hold_kv: bool = False  # when finished keep the blocks until release() (prefill exports them)
+    stop_token_ids: list[int] | None = None  # None = model's eos ids + sampling.stop_token_ids (unless ignore_eos)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_ids: list[int]  # newly generated this step (usually 1; 0 while a prompt is still being chunk-prefilled)
+    finish_reason: str | None  # "stop" (eos/stop token) | "length" | None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from prefix_blocks or the local prefix cache
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    queued_tokens: int  # tokens of admitted or waiting prompts whose KV is not computed yet
+    held: int = 0  # finished hold_kv requests still holding blocks

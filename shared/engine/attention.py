@@ -1,0 +1,56 @@
+"""Attention over the paged KV cache, one backend per device kind (torch reference now, Triton later).
+
+The batch is flattened: T query rows from several sequences, back to back. Sequence s owns query rows
+[q_start, q_start + q_len), which are positions [context_len - q_len, context_len) of that sequence, and sees
+keys at positions [0, context_len) through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    q_start: int
+    q_len: int
+    context_len: int  # computed tokens + this chunk
+    block_table: torch.Tensor  # (ceil(context_len / block_tokens),) int64, on the cache's device
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: flat slot (block * block_tokens + offset) of each new token
+    spans: list[SeqSpan]
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q (T, H, D); k_cache, v_cache (num_blocks, block_tokens, KV, D) already holding this step's keys.
+
+    Returns (T, H, D). Loops over sequences: on CPU the per-sequence SDPA is the cost anyway, and the loop
+    keeps each sequence's causal offset explicit.
+    """
+    T, H, D = q.shape
+    KV = k_cache.shape[2]
+    G = H // KV  # query heads per KV head; head h reads KV head h // G
+    out = torch.empty_like(q)
+    for s in meta.spans:
+        n, ctx = s.q_len, s.context_len
+        k = k_cache.index_select(0, s.block_table).flatten(0, 1)[:ctx].transpose(0, 1)  # (KV, ctx, D)
+        v = v_cache.index_select(0, s.block_table).flatten(0, 1)[:ctx].transpose(0, 1)  # (KV, ctx, D)
+        # Fold the G query heads of each KV head into the row dimension, so K/V are never repeated:
+        # (n, H, D) -> (KV, G * n, D); row g * n + i is query head kv * G + g at position ctx - n + i.
+        qs = q[s.q_start : s.q_start + n].view(n, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * n, D)
+        mask = None
+        if n > 1:
+            # query i sits at position ctx - n + i and sees keys [0, ctx - n + i]
+            rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # (n, 1)
+            mask = (torch.arange(ctx, device=q.device)[None, :] <= rows).repeat(G, 1)  # (G * n, ctx)
+        o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        out[s.q_start : s.q_start + n] = o.view(KV, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+    return out

@@ -1,0 +1,185 @@
+"""The engine: requests in, tokens out, one step at a time (schedule -> run -> sample -> postprocess).
+
+Single-threaded by design: every method is called from one thread (AsyncEngine owns it), so there are no
+locks; requests join and leave between any two steps (continuous batching).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from shared import hashing
+from shared.engine.api import EngineRequest, EngineStats, StepOutput
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import ModelConfig
+from shared.engine.kv_cache import KVCache
+from shared.engine.loader import LoadedModel, load
+from shared.engine.model_runner import ModelRunner
+from shared.engine.models import build_model
+from shared.engine.sampler import sample
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import SamplingSpec, Sequence, Status
+from shared.models import ModelFiles, resolve
+
+__all__ = ["Engine", "EngineRequest", "EngineStats", "StepOutput", "run_to_completion"]
+
+CPU_KV_BYTES = 1 << 30  # default KV budget on the CPU: 1 GiB
+GPU_KV_FRACTION = 0.8  # default KV budget on a GPU: this share of the memory free after loading weights
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | ModelFiles | LoadedModel,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        kv_blocks: int | None = None,
+        max_batch_tokens: int = 512,
+        max_running: int = 64,
+    ) -> None:
+        # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
+        loaded = model if isinstance(model, LoadedModel) else load(resolve(model) if isinstance(model, str) else model)
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.config: ModelConfig = loaded.config
+        self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype)
+        self.block_tokens = hashing.BLOCK_TOKENS
+        spec = self.model.cache_spec(self.block_tokens, self.dtype)
+        self.cache_id = f"{loaded.name}:{loaded.config.arch}:{spec.layout_id()}"
+        assert spec.paged is not None, "every model so far keeps its long-term KV in paged blocks"
+        num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks(spec.paged.bytes_per_block)
+        self.kv = KVCache(spec, num_blocks, self.device)
+        self.block_bytes = self.kv.block_bytes
+        self.blocks = BlockManager(num_blocks, self.block_tokens)
+        self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), max_batch_tokens, max_running)
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens)
+        # A sequence never outgrows the context or the whole cache (it could never be scheduled again).
+        self.max_tokens = min(self.config.max_position, num_blocks * self.block_tokens)
+
+    # --- requests ---------------------------------------------------------------------------------------------
+
+    def add(self, req: EngineRequest) -> None:
+        seq = self._validate(req)
+        self.scheduler.add(seq)
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        logits = self.runner.run(plan)  # (num_sampled, V)
+        rows = [c.seq for c in plan.chunks if c.sample]
+        tokens = sample(logits, [s.sampling for s in rows], [s.output_position for s in rows])
+        return self.scheduler.postprocess(plan, tokens)
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self.kv.drop_state(request_id)
+
+    def release(self, request_id: str) -> None:
+        if self.scheduler.release(request_id) is not None:
+            self.kv.drop_state(request_id)
+
+    # --- KV export --------------------------------------------------------------------------------------------
+
+    def export_blocks(self, request_id: str, start: int, end: int) -> list[bytes]:
+        """Blobs of blocks [start, end) of a running or held request; the last may be partial (full size)."""
+        seq = self._live(request_id)
+        computed_blocks = -(-seq.num_computed // self.block_tokens)
+        if not 0 <= start <= end <= computed_blocks:
+            raise ValueError(f"{request_id}: blocks [{start}, {end}) outside the {computed_blocks} with KV")
+        return self.kv.read_blocks(seq.block_table[start:end])
+
+    def export_state(self, request_id: str) -> bytes:
+        self._live(request_id)
+        return self.kv.export_state(request_id)
+
+    # --- introspection ----------------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            free_blocks=self.blocks.num_free,
+            total_blocks=self.blocks.num_blocks,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            queued_tokens=s.queued_tokens(),
+            held=len(s.held),
+        )
+
+    # --- internals --------------------------------------------------------------------------------------------
+
+    def _validate(self, req: EngineRequest) -> Sequence:
+        n = len(req.token_ids)
+        if not req.request_id or req.request_id in self.scheduler.seqs:
+            raise ValueError(f"request id {req.request_id!r} is empty or already in use")
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n >= self.max_tokens:
+            raise ValueError(f"{n} tokens leave no room to generate (limit {self.max_tokens} tokens)")
+        if any(not 0 <= t < self.config.vocab_size for t in req.token_ids):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+        if req.max_new_tokens < 1 or req.output_offset < 0:
+            raise ValueError("max_new_tokens must be >= 1 and output_offset >= 0")
+        if not 0 <= req.prefix_tokens <= n:
+            raise ValueError(f"prefix_tokens {req.prefix_tokens} outside [0, {n}]")
+        if len(req.prefix_blocks) != -(-req.prefix_tokens // self.block_tokens):
+            raise ValueError(f"{len(req.prefix_blocks)} prefix blocks for {req.prefix_tokens} prefix tokens")
+        if any(len(b) != self.block_bytes for b in req.prefix_blocks):
+            raise ValueError(f"prefix blocks must be {self.block_bytes} bytes each")
+        sp = req.sampling
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        stop = req.stop_token_ids
+        if stop is None:
+            stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else self.config.eos_ids)]
+        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+        return Sequence(
+            request_id=req.request_id,
+            token_ids=list(req.token_ids),
+            sampling=SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed),
+            stop_ids=frozenset(stop),
+            max_new_tokens=min(req.max_new_tokens, self.max_tokens - n),
+            output_offset=req.output_offset,
+            hold_kv=req.hold_kv,
+            prefix_blobs=list(req.prefix_blocks),
+            prefix_tokens=req.prefix_tokens,
+        )
+
+    def _live(self, request_id: str) -> Sequence:
+        seq = self.scheduler.seqs.get(request_id)
+        if seq is None or seq.status is Status.WAITING:
+            raise ValueError(f"{request_id}: not a running or held request")
+        return seq
+
+    def _default_blocks(self, block_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_KV_FRACTION)
+        else:
+            budget = CPU_KV_BYTES
+        return max(1, budget // block_bytes)
+
+
+def run_to_completion(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    """Offline use (CLI, tests, benchmarks): add `requests`, step until all finish, return generated tokens."""
+    out: dict[str, list[int]] = {}
+    for req in requests:
+        engine.add(req)
+        out[req.request_id] = []
+    pending = set(out)
+    while pending:
+        step = engine.step()
+        if not step:
+            break  # nothing could run (only blocks held for export left): stepping again changes nothing
+        for o in step:
+            if o.request_id in out:
+                out[o.request_id] += o.token_ids
+                if o.finish_reason is not None:
+                    pending.discard(o.request_id)
+    return out

@@ -1,0 +1,46 @@
+"""Checkpoint -> (ModelConfig, weights under canonical names), one loader per file format.
+
+Canonical names are the HF Llama ones (`model.layers.N.self_attn.q_proj.weight`, ...) in HF's row layout, so
+an HF checkpoint loads as-is and every other format is mapped onto it. Weights stay on the CPU in float32 (or
+the checkpoint's float dtype); the model casts and moves them, so one loaded checkpoint can back several
+engines in a process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.engine.config import ModelConfig
+from shared.engine.loader import hf
+from shared.models import ModelFiles
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str  # the model's served name; part of the engine's cache identity
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+
+
+Loader = Callable[[Path], tuple[ModelConfig, dict[str, torch.Tensor]]]
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from shared.engine.loader import gguf  # the `gguf` package is only needed for GGUF files
+
+    return gguf.load(path)
+
+
+LOADERS: dict[str, Loader] = {"gguf": _load_gguf, "hf": hf.load}
+
+
+def load(files: ModelFiles) -> LoadedModel:
+    loader = LOADERS.get(files.format)
+    if loader is None:
+        raise ValueError(f"{files.name}: no loader for format {files.format!r} (have {sorted(LOADERS)})")
+    config, weights = loader(files.path)
+    return LoadedModel(files.name, config, weights)

@@ -1,0 +1,216 @@
+"""Which tokens of which sequences to compute this step: decode first, then prefill chunks, under a budget.
+
+Every sequence just has `num_computed` of its `num_tokens` tokens in the KV cache (vLLM v1 style); a step
+computes tokens[num_computed : num_computed + n] for each scheduled sequence: n = 1 when decoding, a chunk of
+up to the remaining budget when prefilling. A sequence samples when its chunk reaches its last token.
+When blocks run out, the youngest unscheduled running sequence is preempted: its blocks are freed and it waits
+again at the head of the queue, to be recomputed (mostly from the local prefix cache) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.api import StepOutput
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class Chunk:
+    seq: Sequence
+    start: int  # first position computed
+    num_tokens: int
+    sample: bool  # the chunk ends at the sequence's last token: its logits give the next token
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk] = field(default_factory=list)
+    imports: list[tuple[int, bytes]] = field(default_factory=list)  # (block, blob) to write before the forward
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(c.sample for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, ns: bytes, max_batch_tokens: int, max_running: int) -> None:
+        if max_batch_tokens < 1 or max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be positive")
+        self.blocks = blocks
+        self.ns = ns  # namespace of the local prefix cache's chained hashes
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.bt = blocks.block_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the youngest is preempted first
+        self.held: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.request_id not in self.seqs
+        self.seqs[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            del self.held[request_id]
+        self._drop_blocks(seq)
+        return seq
+
+    def release(self, request_id: str) -> Sequence | None:
+        seq = self.held.get(request_id)
+        return None if seq is None else self.abort(request_id)
+
+    def queued_tokens(self) -> int:
+        waiting = sum(s.num_tokens - max(s.num_computed, s.prefix_tokens) for s in self.waiting)
+        return waiting + sum(s.num_remaining for s in self.running if s.num_remaining > 1)
+
+    # --- one step ---------------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_batch_tokens
+        scheduled: set[Sequence] = set()
+        preempted = False
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not Status.RUNNING or (seq.num_remaining == 1) != decoding:
+                    continue  # preempted earlier in this loop, or not in this pass
+                n, evicted = self._reserve(seq, min(seq.num_remaining, budget), scheduled)
+                preempted |= evicted
+                if n:
+                    plan.chunks.append(Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+                    scheduled.add(seq)
+                    budget -= n
+        # Admitting while preempting would hand the freed blocks straight back to a newcomer and thrash.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget, plan)
+            if n == 0:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan.chunks.append(Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+        return plan
+
+    def postprocess(self, plan: StepPlan, sampled: list[int]) -> list[StepOutput]:
+        assert len(sampled) == plan.num_sampled
+        tokens = iter(sampled)
+        outputs = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            self._publish(seq)
+            new: list[int] = []
+            reason = None
+            if chunk.sample:
+                token = next(tokens)
+                seq.token_ids.append(token)
+                seq.num_generated += 1
+                new = [token]
+                if token in seq.stop_ids:
+                    reason = "stop"
+                elif seq.num_generated >= seq.max_new_tokens:
+                    reason = "length"
+            if reason is not None:
+                self._finish(seq)
+            outputs.append(StepOutput(seq.request_id, new, reason, seq.num_cached or 0))
+        return outputs
+
+    # --- internals --------------------------------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, n: int, scheduled: set[Sequence]) -> tuple[int, bool]:
+        """Blocks for `n` more tokens of a running sequence: (tokens granted, whether anyone was preempted).
+
+        A prefill takes a shorter chunk if that is all that fits; a decode preempts younger sequences, and
+        itself as a last resort (its blocks then help the others).
+        """
+        evicted = False
+        while not self.blocks.grow(seq.block_table, seq.num_computed + n):
+            fit = (len(seq.block_table) + self.blocks.num_free) * self.bt - seq.num_computed
+            if n > 1 and fit > 0:
+                n = fit
+                continue
+            victim = next((s for s in reversed(self.running) if s is not seq and s not in scheduled), None)
+            if victim is None:
+                if n == 1:
+                    self._preempt(seq)
+                    evicted = True
+                return 0, evicted
+            self._preempt(victim)
+            evicted = True
+        return n, evicted
+
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Give a waiting sequence its cached/imported prefix and blocks for a first chunk; 0 if it must wait."""
+        # Reuse local blocks only strictly before the last token: its logits have to be computed, and
+        # recomputing it must never write into a block that other sequences share.
+        hashes = seq.block_hashes(self.ns, (seq.num_tokens - 1) // self.bt)
+        table = self.blocks.match(hashes)
+        computed = len(table) * self.bt
+        imports: list[tuple[int, bytes]] = []
+        if seq.prefix_tokens > computed:
+            fresh = self.blocks.allocate(len(seq.prefix_blobs) - len(table))
+            if fresh is None:
+                self.blocks.free(table)
+                return 0
+            imports = list(zip(fresh, seq.prefix_blobs[len(table) :]))
+            table += fresh
+            computed = min(seq.prefix_tokens, seq.num_tokens - 1)
+        n = min(seq.num_tokens - computed, budget, (len(table) + self.blocks.num_free) * self.bt - computed)
+        if n <= 0 or not self.blocks.grow(table, computed + n):
+            self.blocks.free(table)
+            return 0
+        seq.block_table = table
+        seq.num_computed = computed
+        if seq.num_cached is None:
+            seq.num_cached = computed
+        seq.prefix_blobs, seq.prefix_tokens = [], 0  # imported now; a preempted sequence recomputes instead
+        seq.status = Status.RUNNING
+        plan.imports += imports
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_blocks(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if seq.hold_kv:
+            seq.status = Status.HELD
+            self.held[seq.request_id] = seq
+        else:
+            del self.seqs[seq.request_id]
+            self._drop_blocks(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.num_published = 0
+
+    def _publish(self, seq: Sequence) -> None:
+        """Offer every full, computed block to the local prefix cache."""
+        full = seq.num_computed // self.bt
+        if full > seq.num_published:
+            hashes = seq.block_hashes(self.ns, full)
+            for i in range(seq.num_published, full):
+                self.blocks.publish(seq.block_table[i], hashes[i])
+            seq.num_published = full

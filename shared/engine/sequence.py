@@ -1,0 +1,68 @@
+"""One request inside the engine: its tokens, how many have KV, its blocks and its sampling state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from shared import hashing
+
+
+class Status(Enum):
+    WAITING = auto()  # not admitted yet, or preempted (its KV dropped, to be recomputed)
+    RUNNING = auto()
+    HELD = auto()  # finished with hold_kv: blocks kept until release()
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters validated and resolved at add(): the seed is always set."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt + generated; only [0, num_computed) have KV
+    sampling: SamplingSpec
+    stop_ids: frozenset[int]
+    max_new_tokens: int  # already clamped to context and KV capacity
+    output_offset: int  # output position of the next token we generate
+    hold_kv: bool
+    prefix_blobs: list[bytes] = field(default_factory=list)  # to import at admission, then dropped
+    prefix_tokens: int = 0
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_generated: int = 0
+    num_cached: int | None = None  # prompt tokens whose KV was not computed here; set at first admission
+    block_table: list[int] = field(default_factory=list)
+    num_published: int = 0  # leading blocks offered to the local prefix cache
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, extended lazily
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to compute before the next token can be sampled (1 when decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def output_position(self) -> int:
+        return self.output_offset + self.num_generated
+
+    def block_hashes(self, ns: bytes, num_blocks: int) -> list[bytes]:
+        """Chained hashes of the first `num_blocks` full blocks (cached between calls: the chain only grows)."""
+        bt = hashing.BLOCK_TOKENS
+        while len(self.hashes) < num_blocks:
+            i = len(self.hashes)
+            parent = self.hashes[-1] if self.hashes else ns
+            # block_hashes() starts its chain at `ns`, so a one-block call with the parent continues the chain.
+            (h,) = hashing.block_hashes(self.token_ids[i * bt : (i + 1) * bt], parent, bt)
+            self.hashes.append(h)
+        return self.hashes[:num_blocks]

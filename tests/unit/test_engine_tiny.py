@@ -1,0 +1,111 @@
+"""A tiny random Llama HF checkpoint on every device there is: CPU always, CUDA when present (marked gpu), and
+against transformers' own LlamaForCausalLM when it is installed (the oracle for our model code)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from shared.engine.engine import Engine, EngineRequest, run_to_completion
+from shared.engine.loader import LoadedModel, load
+from shared.models import resolve
+from shared.schemas.generate import SamplingParams
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 384, "hidden_size": 128,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+PROMPTS = [[1, 5, 9, 77, 3], list(range(3, 60)), [1] + list(range(100, 140))]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny-llama")
+    c = CONFIG
+    g = torch.Generator().manual_seed(0)
+    hd, H, KV, D, I = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"], \
+        c["intermediate_size"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08  # small enough that activations stay tame
+
+    weights = {"model.embed_tokens.weight": rand(c["vocab_size"], D), "lm_head.weight": rand(c["vocab_size"], D),
+               "model.norm.weight": 1 + rand(D)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": 1 + rand(D), p + "post_attention_layernorm.weight": 1 + rand(D),
+            p + "self_attn.q_proj.weight": rand(H * hd, D), p + "self_attn.k_proj.weight": rand(KV * hd, D),
+            p + "self_attn.v_proj.weight": rand(KV * hd, D), p + "self_attn.o_proj.weight": rand(D, H * hd),
+            p + "mlp.gate_proj.weight": rand(I, D), p + "mlp.up_proj.weight": rand(I, D),
+            p + "mlp.down_proj.weight": rand(D, I),
+        }
+    save_file(weights, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(c))
+    return root
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint: Path) -> LoadedModel:
+    return load(resolve(str(checkpoint)))
+
+
+def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    engine.add(EngineRequest("logits", ids, SamplingParams(temperature=0), 1))
+    logits = engine.runner.run(engine.scheduler.schedule())[0]
+    engine.abort("logits")
+    return logits.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_chunked_and_imported_runs_agree(loaded: LoadedModel, device: str) -> None:
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    engine = Engine(loaded, device=device, dtype=torch.float32, kv_blocks=32)
+    alone = [run_to_completion(engine, [EngineRequest(f"a{i}", p, greedy, 6)])[f"a{i}"]
+             for i, p in enumerate(PROMPTS)]
+    chunked = Engine(loaded, device=device, dtype=torch.float32, kv_blocks=32, max_batch_tokens=9)
+    together = run_to_completion(chunked, [EngineRequest(f"b{i}", p, greedy, 6) for i, p in enumerate(PROMPTS)])
+    assert [together[f"b{i}"] for i in range(len(PROMPTS))] == alone
+    first = run_to_completion(engine, [EngineRequest("h", PROMPTS[1], greedy, 1, hold_kv=True)])["h"]
+    blobs = engine.export_blocks("h", 0, 4)
+    engine.release("h")
+    rest = run_to_completion(chunked, [EngineRequest("c", PROMPTS[1] + first, greedy, 5, output_offset=1,
+                                                     prefix_blocks=blobs, prefix_tokens=len(PROMPTS[1]))])["c"]
+    assert first + rest == alone[1]
+    hot = SamplingParams(temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    seeded = [run_to_completion(e, [EngineRequest("s", PROMPTS[2], hot, 8)])["s"] for e in (engine, chunked)]
+    assert seeded[0] == seeded[1]
+    assert engine.stats().free_blocks == 32 and chunked.stats().free_blocks == 32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu(loaded: LoadedModel) -> None:
+    cpu = prompt_logits(Engine(loaded, kv_blocks=8), PROMPTS[1])
+    fp32 = prompt_logits(Engine(loaded, device="cuda", dtype=torch.float32, kv_blocks=8), PROMPTS[1])
+    bf16 = prompt_logits(Engine(loaded, device="cuda", kv_blocks=8), PROMPTS[1])  # default dtype on a GPU
+    assert torch.allclose(cpu, fp32, atol=1e-3, rtol=1e-3)
+    assert (cpu - bf16).abs().max() < 0.1 * cpu.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_transformers(checkpoint: Path, loaded: LoadedModel, device: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.float32)
+    ref = ref.to(device).eval()
+    engine = Engine(loaded, device=device, dtype=torch.float32, kv_blocks=8)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
+        assert torch.allclose(prompt_logits(engine, ids), expected, atol=1e-4, rtol=1e-4)
