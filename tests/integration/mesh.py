@@ -56,13 +56,14 @@ class Mesh:
         return self.process.returncode
 
 
-def start_mesh(state_dir: Path, *extra: str, timeout: float = 300.0) -> Mesh:
+def start_mesh(state_dir: Path, *extra: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> Mesh:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--state-dir", str(state_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     mesh = Mesh(process, f"http://127.0.0.1:{port}", state_dir)
     ready = threading.Event()

@@ -6,6 +6,7 @@ One mesh serves the module; each test talks to it over HTTP like a user would (o
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,9 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("mesh")
-    mesh = start_mesh(state)
+    # Every service appends its spans to one file, exported every 200 ms.
+    trace_env = {"DEEPINFER_TRACE": f"file:{state / 'spans.jsonl'}", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    mesh = start_mesh(state, env=trace_env)
     yield mesh
     mesh.stop()
 
@@ -186,6 +189,24 @@ def test_cancelled_stream_frees_kv_blocks(mesh: Mesh) -> None:
     busy, idle = asyncio.run(scenario())
     assert busy.free_blocks < busy.total_blocks
     assert idle.free_blocks == idle.total_blocks and idle.running == 0
+
+
+def test_one_request_is_one_trace_across_every_service(oai: openai.OpenAI, mesh: Mesh) -> None:
+    raw = oai.chat.completions.with_raw_response.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=8)
+    assert "Paris" in raw.parse().choices[0].message.content
+    request_id = raw.headers["x-request-id"]
+    spans_file = mesh.state_dir / "spans.jsonl"
+    wanted = {"gateway", "recipe", "balancer", "prefill", "kvcache", "decode"}
+    deadline = time.monotonic() + 15
+    while True:
+        spans = [json.loads(line) for line in spans_file.read_text().splitlines()] if spans_file.exists() else []
+        gateway = [s for s in spans if s["attributes"].get("request_id") == request_id]
+        trace_id = gateway[0]["context"]["trace_id"] if gateway else None
+        services = {s["resource"]["attributes"]["service.name"] for s in spans if s["context"]["trace_id"] == trace_id}
+        if wanted <= services or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert wanted <= services, f"trace {trace_id} reached only {services}"
 
 
 def test_launcher_stops_every_process(tmp_path: Path, mesh: Mesh) -> None:
