@@ -53,6 +53,7 @@ class Flight:
         self.request_id = request_id
         self.api = api
         self.last_seen = now
+        self.last_published = now  # when an ApiEvent last went to the gateway (the service keeps it fresh)
         self.done = False
         self._stream = req.stream
         self._writer = writer

@@ -32,6 +32,8 @@ from shared.schemas.generate import Cancel, GenerateRequest, SamplingParams, Tok
 
 log = logging.getLogger(__name__)
 
+KEEPALIVE_S = 10.0  # see _emit
+
 SEED_BITS = 63  # drawn seeds fit a signed int64 everywhere they travel
 
 
@@ -201,7 +203,11 @@ class RecipeService:
         rid = flight.request_id
         if out.done:
             self._drop(rid)
-        if out.frames or out.done:
+        now = time.monotonic()
+        # A non-streaming answer sends nothing until it is done: an empty event now and then tells the gateway
+        # the request is alive, so a long generation is not mistaken for a silent one.
+        if out.frames or out.done or now - flight.last_published > KEEPALIVE_S:
+            flight.last_published = now
             event = ApiEvent(rid, flight.next_seq(), out.frames, out.done, out.status, out.body)
             await self._bus.publish(subjects.events(rid), event)
         if out.cancel:

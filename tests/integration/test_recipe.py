@@ -205,3 +205,23 @@ async def test_mesh_error_and_ttl_expiry(mesh: Mesh) -> None:
     assert orjson.loads(expired.body)["error"]["type"] == "timeout_error"
     assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="timeout")
     assert mesh.recipe.health() == (True, "0 in flight")
+
+
+async def test_non_streaming_request_sends_keepalives(mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long non-streaming generation is not mistaken by the gateway for a silent one."""
+    import services.recipe.service as recipe_service
+
+    monkeypatch.setattr(recipe_service, "KEEPALIVE_S", 0.0)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 50}
+    rid, reply, events = await mesh.prepare("chat", body)
+    assert reply.ok and not reply.stream
+    ids = mesh.tokenizer.encode(" one two three four five six")
+    for i, tok in enumerate(ids):
+        await mesh.tokens(rid, TokenEvent(rid, i, [tok], None, 30 if i == 0 else 0))
+        await asyncio.sleep(0.01)
+    await mesh.tokens(rid, TokenEvent(rid, len(ids), [EOS], "stop"))
+    got = await mesh.until_done(events)
+    keepalives = [e for e in got[:-1] if not e.frames and not e.done and not e.body]
+    assert len(keepalives) >= 2
+    assert [e.seq for e in got] == list(range(len(got)))
+    assert orjson.loads(got[-1].body)["choices"][0]["message"]["content"] == " one two three four five six"
