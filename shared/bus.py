@@ -265,14 +265,14 @@ class WorkQueue:
                 continue
             try:
                 msgs = await self._psub.fetch(batch=free, timeout=1.0)
-            except nats.errors.TimeoutError:
-                continue
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue  # nothing to do (a busy process may see the plain asyncio timeout instead)
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
                 return
             except Exception as exc:
                 if self._stopped:
                     return
-                log.warning("fetch failed: %s", exc)
+                log.warning("fetch failed: %r", exc)
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:

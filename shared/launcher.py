@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # also when started in the background, where SIGINT starts ignored
     server = None
     plan = Plan()
     try:

@@ -45,9 +45,9 @@ class Mesh:
     nats_url: str = ""
     output: list[str] = field(default_factory=list)
 
-    def stop(self, timeout: float = 60.0) -> int:
+    def stop(self, timeout: float = 60.0, sig: int = signal.SIGTERM) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,12 +210,25 @@ def test_one_request_is_one_trace_across_every_service(oai: openai.OpenAI, mesh:
     assert wanted <= services, f"trace {trace_id} reached only {services}"
 
 
-def test_launcher_stops_every_process(tmp_path: Path, mesh: Mesh) -> None:
-    """Runs last in this module: stop the shared mesh and check nothing it started is left."""
-    marker = str(mesh.state_dir)
-    assert len(pids_mentioning(marker)) >= 7  # launcher, nats-server and six services
-    assert mesh.stop() == 0
-    deadline = time.monotonic() + 10
+def _gone(marker: str, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
     while pids_mentioning(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert pids_mentioning(marker) == []
+    return pids_mentioning(marker)
+
+
+def test_ctrl_c_stops_every_process(mesh: Mesh) -> None:
+    """Runs last in this module: Ctrl-C the shared mesh and check nothing it started is left."""
+    marker = str(mesh.state_dir)
+    assert len(pids_mentioning(marker)) >= 8  # launcher, nats-server and six services
+    assert mesh.stop(sig=signal.SIGINT) == 0
+    assert _gone(marker, 10) == []
+
+
+def test_killed_launcher_leaves_no_process(tmp_path: Path) -> None:
+    """Even SIGKILL, which the launcher cannot handle: its children stop when it dies."""
+    mesh = start_mesh(tmp_path)
+    marker = str(tmp_path)
+    assert len(pids_mentioning(marker)) >= 8
+    mesh.stop(sig=signal.SIGKILL)
+    assert _gone(marker, 30) == []
