@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import orjson
 from aiohttp import web
+
+from shared.api_errors import anthropic_error_body, openai_error_body
 
 
 class ApiError(Exception):
@@ -34,32 +35,15 @@ class ErrorFormat(Protocol):
 
 class OpenAIErrors:
     def body(self, error: ApiError) -> bytes:
-        kind = "server_error" if error.status >= 500 else "invalid_request_error"
-        return orjson.dumps(
-            {"error": {"message": error.message, "type": kind, "param": None, "code": error.code}}
-        )
+        return openai_error_body(error.status, error.message, code=error.code)
 
     def frame(self, body: bytes) -> bytes:
         return b"data: " + body + b"\n\n"
 
 
 class AnthropicErrors:
-    _TYPES = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        413: "request_too_large",
-        429: "rate_limit_error",
-        503: "overloaded_error",
-        504: "timeout_error",
-        529: "overloaded_error",
-    }
-
     def body(self, error: ApiError) -> bytes:
-        default = "api_error" if error.status >= 500 else "invalid_request_error"
-        kind = self._TYPES.get(error.status, default)
-        return orjson.dumps({"type": "error", "error": {"type": kind, "message": error.message}})
+        return anthropic_error_body(error.status, error.message)
 
     def frame(self, body: bytes) -> bytes:
         return b"event: error\ndata: " + body + b"\n\n"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import orjson
+from shared.api_errors import anthropic_error_body, openai_error_body
 
 
 class ApiError(Exception):
@@ -23,34 +23,9 @@ class Invalid(ValueError):
         self.status = status
 
 
-_OPENAI_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    429: "rate_limit_error",
-}
-
-
 def openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
-    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return ApiError(status, orjson.dumps(body), message)
-
-
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
+    return ApiError(status, openai_error_body(status, message, param=param, code=code), message)
 
 
 def anthropic_error(status: int, message: str) -> ApiError:
-    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    body = {"type": "error", "error": {"type": kind, "message": message}}
-    return ApiError(status, orjson.dumps(body), message)
+    return ApiError(status, anthropic_error_body(status, message), message)
