@@ -91,7 +91,7 @@ def test_eight_concurrent_requests(oai: openai.OpenAI) -> None:
     assert together[:2] == alone  # batching with others does not change a greedy answer
 
 
-def test_repeated_long_prompt_reports_cached_tokens(oai: openai.OpenAI) -> None:
+def test_repeated_long_prompt_reports_cached_tokens(oai: openai.OpenAI, mesh: Mesh) -> None:
     story = " ".join(f"Sentence number {i} says that the sky was blue on day {i}." for i in range(30))
     messages = [{"role": "user", "content": story + " What colour was the sky?"}]
     first = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4)
@@ -99,6 +99,9 @@ def test_repeated_long_prompt_reports_cached_tokens(oai: openai.OpenAI) -> None:
     assert first.usage.prompt_tokens > 200
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
     assert second.choices[0].message.content == first.choices[0].message.content
+    # Decode took the whole prompt's KV from the kvcache service (prefill -> LMDB -> decode), recomputing none.
+    decode_log = (mesh.state_dir / "logs" / "decode-0.log").read_text()
+    assert "recomputing" not in decode_log
 
 
 async def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
