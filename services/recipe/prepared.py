@@ -1,0 +1,70 @@
+"""The contract between the recipe's input side (API request -> conversation -> prompt) and its output side
+(generated tokens -> parsed text, reasoning, tool calls -> API events).
+
+Conversion of any API request yields one `PreparedRequest`; the renderer turns its `conversation` into a prompt
+and token ids; the stream parser and the API emitters read only `parsing`, `api`, `model`, `stream`,
+`include_usage` and `echo`. Mirrors deepseek-recipe's `ConversationRequest` (conversation + inference options +
+parsing options), which is the oracle for the DeepSeek formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Api = Literal["chat", "completions", "responses", "messages"]
+ThinkingStage = Literal["reasoning_start", "reasoning_continuation", "content_continuation"]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str | None
+    parameters: Any  # JSON schema (parsed JSON)
+    strict: bool | None = None
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    kind: Literal["json", "regex", "tool_call", "tool_call_required"]
+    schema: str  # compact JSON schema, regex, tool list JSON, or "" for any JSON value
+
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    """Sampling as the conversion resolved it; `max_tokens` None = the default for the mode (resolved once the
+    prompt length is known)."""
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    output_constraint: OutputConstraint | None = None
+
+
+@dataclass(frozen=True)
+class ParsingSpec:
+    """How to read the model's output (the oracle's ParsingOptions)."""
+
+    parse_tool_calls: bool = True
+    starts_in_tool_calls: bool = False
+    parse_json_output: bool = False
+    thinking_initial_stage: ThinkingStage | None = None  # None = thinking mode off
+    stop_sequences: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    api: Api
+    model: str  # the model name the client asked for (echoed in responses)
+    encoding: str  # "v4" | "v41" | "chat_template"
+    stream: bool
+    include_usage: bool  # Chat Completions stream_options.include_usage
+    conversation: Any  # services.recipe.conversation.Conversation
+    inference: InferenceSpec
+    parsing: ParsingSpec
+    echo: dict[str, Any] = field(default_factory=dict)  # Responses: request settings the response reports
+    extra: dict[str, Any] = field(default_factory=dict)  # API-specific bits the emitters need (e.g. namespace tool map)
