@@ -11,6 +11,7 @@ import json
 import sys
 
 from shared.config import DEFAULT_MODEL
+from shared.engine.device import default_device
 from shared.models import ModelNotFound, resolve
 from shared.schemas.generate import SamplingParams
 
@@ -27,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default=default_device(), help="default: cuda if available, else cpu")
     return p
 
 

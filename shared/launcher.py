@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file or HF checkpoint dir")
     p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     p.add_argument("--state-dir", default=".state", help="NATS, KV store and logs live here")
-    p.add_argument("--device", default=None, help="engine device (default: cpu)")
+    p.add_argument("--device", default=None, help="engine device (default: cuda when available, else cpu)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--api-key", default=None, help="require this API key from clients")

@@ -21,6 +21,7 @@ from shared import subjects
 from shared.bus import Bus, Envelope, WorkQueue
 from shared.config import ServiceConfig
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.device import default_device
 from shared.engine.engine import Engine
 from shared.kvclient import KvClient
 from shared.models import resolve
@@ -46,8 +47,7 @@ class WorkerConfig:
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    parser.add_argument("--device", default=env("DEEPINFER_DEVICE", "cpu"))
+    parser.add_argument("--device", default=default_device(), help="engine device (default: cuda if available)")
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
     parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
     parser.add_argument("--max-running", type=int, default=64, help="requests held at once")

@@ -22,9 +22,24 @@ class SeqSpan:
 
 
 @dataclass(frozen=True)
+class BatchTensors:
+    """The same spans as device tensors, for kernels that take the whole batch in one launch (GPU path)."""
+
+    block_tables: torch.Tensor  # (S, W) int32: row s = sequence s's pages, W >= its page count
+    context_lens: torch.Tensor  # (S,) int32; 0 = a padding row (CUDA graphs pad the batch)
+    q_starts: torch.Tensor  # (S,) int32
+    q_lens: torch.Tensor  # (S,) int32
+    max_q_len: int
+    max_context: int  # bounds every context_lens entry (sizes the decode kernel's grid)
+    decode: bool  # every sequence has exactly one query row, row s
+    fresh: bool  # every sequence computes its whole context (no cached prefix): flash SDPA applies
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64: flat slot (block * block_tokens + offset) of each new token
+    slot_mapping: torch.Tensor  # (T,) int64 (int32 on the GPU path): flat slot (block * block_tokens + offset)
     spans: list[SeqSpan]
+    batch: BatchTensors | None = None
 
 
 def paged_attention(

@@ -18,7 +18,8 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
-from shared.engine.sampler import sample
+from shared.engine.ops import select_ops
+from shared.engine.sampler import sample, sample_on_device
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import SamplingSpec, Sequence, Status
 from shared.models import ModelFiles, resolve
@@ -27,6 +28,12 @@ __all__ = ["Engine", "EngineRequest", "EngineStats", "StepOutput", "run_to_compl
 
 CPU_KV_BYTES = 1 << 30  # default KV budget on the CPU: 1 GiB
 GPU_KV_FRACTION = 0.8  # default KV budget on a GPU: this share of the memory free after loading weights
+
+
+def graph_buckets(max_running: int) -> tuple[int, ...]:
+    """Decode batch sizes with a CUDA graph: 1, 2, 4, 8, then every 16 up to max_running (and it)."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_running} | set(range(16, max_running, 16)) | {max_running}
+    return tuple(sorted(sizes))
 
 
 class Engine:
@@ -39,13 +46,18 @@ class Engine:
         kv_blocks: int | None = None,
         max_batch_tokens: int = 512,
         max_running: int = 64,
+        kernels: str = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
+        """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
+        steps from CUDA graphs (Triton kernels on a GPU only)."""
         # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
         loaded = model if isinstance(model, LoadedModel) else load(resolve(model) if isinstance(model, str) else model)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.config: ModelConfig = loaded.config
-        self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype)
+        ops = select_ops(self.device, kernels)
+        self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, ops)
         self.block_tokens = hashing.BLOCK_TOKENS
         spec = self.model.cache_spec(self.block_tokens, self.dtype)
         self.cache_id = f"{loaded.name}:{loaded.config.arch}:{spec.layout_id()}"
@@ -55,9 +67,12 @@ class Engine:
         self.block_bytes = self.kv.block_bytes
         self.blocks = BlockManager(num_blocks, self.block_tokens)
         self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), max_batch_tokens, max_running)
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens)
         # A sequence never outgrows the context or the whole cache (it could never be scheduled again).
         self.max_tokens = min(self.config.max_position, num_blocks * self.block_tokens)
+        batched = ops.name == "triton"
+        graphs = graph_buckets(max_running) if batched and cuda_graphs and self.device.type == "cuda" else ()
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
+                                  max_tokens=self.max_tokens, graph_sizes=graphs)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -71,7 +86,11 @@ class Engine:
             return []
         logits = self.runner.run(plan)  # (num_sampled, V)
         rows = [c.seq for c in plan.chunks if c.sample]
-        tokens = sample(logits, [s.sampling for s in rows], [s.output_position for s in rows])
+        specs, positions = [s.sampling for s in rows], [s.output_position for s in rows]
+        if self.device.type == "cpu":
+            tokens = sample(logits, specs, positions)
+        else:  # on the device, batched; the one host round trip of the step is reading the tokens back
+            tokens = sample_on_device(logits, specs, positions).tolist()
         return self.scheduler.postprocess(plan, tokens)
 
     def abort(self, request_id: str) -> None:

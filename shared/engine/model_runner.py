@@ -4,24 +4,39 @@
     flat batch:    [a0 a1 a2 a3 a4 | b37 | c0 c1 c2]             T = 9 rows through every linear layer
     slot_mapping:  where each row's K/V goes in the paged cache (block_table[pos // B] * B + pos % B)
     sampled rows:  last row of every chunk that reaches its sequence's end: only those get logits
+
+On a GPU the step's integer inputs (ids, positions, slots, block tables, lengths, sampled rows) are packed on
+the host into one pinned int32 buffer and cross to the device in one copy; decode-only steps replay a CUDA
+graph captured for the next bucketed batch size (cuda_graphs.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from shared.engine.attention import AttentionMetadata, SeqSpan
+import numpy as np
+
+from shared.engine.attention import AttentionMetadata, BatchTensors, SeqSpan
+from shared.engine.cuda_graphs import DecodeGraphs, PinnedStaging
 from shared.engine.kv_cache import KVCache
 from shared.engine.models import CausalLM
 from shared.engine.scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, block_tokens: int) -> None:
+    def __init__(
+        self, model: CausalLM, kv: KVCache, device: torch.device, block_tokens: int, *, batched: bool = False,
+        max_tokens: int = 0, graph_sizes: tuple[int, ...] = (),
+    ) -> None:
+        """batched: build the packed device metadata (the Triton ops need it); graph_sizes: decode batch
+        sizes to capture CUDA graphs for (lazily, on first use), each sequence up to max_tokens long."""
         self.model = model
         self.kv = kv
         self.device = device
         self.bt = block_tokens
+        self.batched = batched
+        self.staging = PinnedStaging(device) if batched else None
+        self.graphs = DecodeGraphs(model, kv, device, block_tokens, max_tokens, graph_sizes) if graph_sizes else None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -29,6 +44,8 @@ class ModelRunner:
         if plan.imports:
             blocks, blobs = zip(*plan.imports)
             self.kv.write_blocks(list(blocks), list(blobs))
+        if self.batched:
+            return self._run_batched(plan)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -46,6 +63,42 @@ class ModelRunner:
         meta = AttentionMetadata(self._tensor(slots), spans)
         hidden = self.model.forward(self._tensor(ids), self._tensor(positions), meta, self.kv)  # (T, D)
         return self.model.logits(hidden[self._tensor(sample_rows)])  # (N, V)
+
+    def _run_batched(self, plan: StepPlan) -> torch.Tensor:
+        chunks = plan.chunks
+        if self.graphs is not None and self.graphs.fits(chunks):
+            return self.graphs.run(chunks)
+        S, bt = len(chunks), self.bt
+        q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, S)
+        starts = np.fromiter((c.start for c in chunks), np.int64, S)
+        ctx = starts + q_lens
+        q_starts = np.cumsum(q_lens) - q_lens
+        T, W = int(q_lens.sum()), int((-(-ctx // bt)).max())
+        sampled = (q_starts + q_lens - 1)[np.fromiter((c.sample for c in chunks), bool, S)]  # last row of a chunk
+        # one int32 buffer: ids (T) | positions (T) | slots (T) | tables (S, W) | ctx | q_starts | q_lens | rows
+        sizes = [T, T, T, S * W, S, S, S, len(sampled)]
+        buf = self.staging.host(sum(sizes))
+        ids, pos, slots, tables, ctx_v, qs_v, ql_v, rows_v = np.split(buf, np.cumsum(sizes)[:-1])
+        tables = tables.reshape(S, W)
+        tables[:] = 0
+        for i, c in enumerate(chunks):
+            seq, a, n = c.seq, q_starts[i], c.num_tokens
+            ids[a : a + n] = seq.token_ids[c.start : c.start + n]
+            table = seq.block_table[: -(-(c.start + n) // bt)]
+            tables[i, : len(table)] = table
+        row_seq = np.repeat(np.arange(S), q_lens)  # (T,) which sequence each row belongs to
+        pos[:] = np.arange(T) - np.repeat(q_starts - starts, q_lens)
+        slots[:] = tables[row_seq, pos // bt] * bt + pos % bt
+        ctx_v[:], qs_v[:], ql_v[:], rows_v[:] = ctx, q_starts, q_lens, sampled
+        dev = self.staging.to_device(sum(sizes))
+        d_ids, d_pos, d_slots, d_tables, d_ctx, d_qs, d_ql, d_rows = dev.split(sizes)
+        d_tables = d_tables.view(S, W)
+        fresh = bool((starts == 0).all())
+        spans = [SeqSpan(int(q_starts[i]), int(q_lens[i]), int(ctx[i]), d_tables[i]) for i in range(S)] if fresh else []
+        batch = BatchTensors(d_tables, d_ctx, d_qs, d_ql, int(q_lens.max()), int(ctx.max()), T == S, fresh)
+        meta = AttentionMetadata(d_slots, spans, batch)
+        hidden = self.model.forward(d_ids, d_pos, meta, self.kv)  # (T, D)
+        return self.model.logits(hidden[d_rows.long()])  # (N, V)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -48,3 +48,62 @@ def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> int:
     gen.manual_seed(draw_key(spec.seed, position))
     noise = torch.empty_like(probs).exponential_(generator=gen)  # (V,) Exp(1)
     return int((probs / noise).argmax())
+
+
+# --- batched, on the device -----------------------------------------------------------------------------------
+#
+# The same rule (greedy, or temperature -> top-k -> top-p -> exponential race keyed by (seed, position)) for
+# all rows at once, with no host round trip per row. torch.Generator cannot be keyed per row inside one
+# kernel, so the Exp(1) noise comes from a counter-based hash of (draw_key(seed, position), vocab index):
+# stateless, batch-independent and the same on any device, but not the CPU path's exact draws.
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on int64 tensors holding 32-bit values (products wrap mod 2^64; masks keep 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def hashed_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys (N,) int64 (63-bit) -> (N, vocab) float32 Exp(1) noise, a pure function of (key, column)."""
+    lo, hi = (keys & _M32)[:, None], ((keys >> 32) & _M32)[:, None]
+    col = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
+    h = _fmix32(((col * 0x9E3779B1) & _M32) ^ lo)
+    h = _fmix32(h ^ hi)
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
+    return -torch.log(u)
+
+
+def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]) -> torch.Tensor:
+    """logits (N, V) float32 -> (N,) int64 tokens on logits' device."""
+    assert logits.shape[0] == len(specs) == len(positions)
+    tokens = logits.argmax(dim=-1)
+    hot = [i for i, s in enumerate(specs) if s.temperature > 0]
+    if not hot:
+        return tokens
+    dev = logits.device
+    hs = [specs[i] for i in hot]
+    temp = torch.tensor([s.temperature for s in hs], dtype=torch.float32).to(dev, non_blocking=True)
+    keys = torch.tensor([draw_key(s.seed, positions[i]) for s, i in zip(hs, hot)]).to(dev, non_blocking=True)
+    index = torch.tensor(hot).to(dev, non_blocking=True)
+    x = logits.index_select(0, index) / temp[:, None]  # (n, V)
+    V = x.shape[1]
+    if any(0 < s.top_k < V or s.top_p < 1.0 for s in hs):
+        top_k = torch.tensor([s.top_k if 0 < s.top_k < V else V for s in hs]).to(dev, non_blocking=True)
+        top_p = torch.tensor([s.top_p for s in hs], dtype=torch.float32).to(dev, non_blocking=True)
+        ordered, order = x.sort(dim=-1, descending=True)
+        kth = ordered.gather(1, (top_k - 1)[:, None])  # (n, 1): ties with the k-th logit stay, as on the CPU
+        x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        sorted_probs = probs.gather(1, order)  # descending still: masking kept the order
+        drop = sorted_probs.cumsum(1) - sorted_probs >= top_p[:, None]
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    else:
+        probs = torch.softmax(x, dim=-1)
+    drawn = (probs / hashed_exponential(keys, V)).argmax(dim=-1)
+    return tokens.index_copy(0, index, drawn)

@@ -10,6 +10,7 @@ from shared.engine.attention import AttentionMetadata
 from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import CacheSpec, KVCache
 from shared.engine.models.llama import Llama
+from shared.engine.ops import Ops
 
 
 class CausalLM(Protocol):
@@ -26,9 +27,10 @@ MODELS: dict[str, type] = {"llama": Llama}
 
 
 def build_model(
-    config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+    ops: Ops | None = None,
 ) -> CausalLM:
     cls = MODELS.get(config.arch)
     if cls is None:
         raise ValueError(f"no model implementation for architecture {config.arch!r} (have {sorted(MODELS)})")
-    return cls(config, weights, device, dtype)
+    return cls(config, weights, device, dtype, ops)

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine.attention import AttentionMetadata, paged_attention
+from shared.engine.attention import AttentionMetadata
 from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec
+from shared.engine.ops import Ops, TorchOps, apply_rotary, rms_norm
+
+__all__ = ["Llama", "LayerWeights", "apply_rotary", "rms_norm", "rotary_tables"]
 
 
 @dataclass(frozen=True)
@@ -27,12 +30,6 @@ class LayerWeights:
     down: torch.Tensor  # (D, I)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
-
-
 def rotary_tables(head_dim: int, max_position: int, theta: float, device: torch.device) -> torch.Tensor:
     """(max_position, 2, head_dim / 2) float32: cos and sin of position * theta^(-2i / head_dim)."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
@@ -40,18 +37,14 @@ def rotary_tables(head_dim: int, max_position: int, theta: float, device: torch.
     return torch.stack([angles.cos(), angles.sin()], dim=1).float()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, hd); cos, sin (T, 1, hd/2). Pairs are (x[i], x[i + hd/2]) (HF's rotate_half layout)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 class Llama:
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+        ops: Ops | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
+        self.ops: Ops = ops or TorchOps()
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -83,25 +76,23 @@ class Llama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, D) before the final norm."""
-        c = self.config
+        c, ops = self.config, self.ops
         T = input_ids.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        cos, sin = self.rope[positions].unsqueeze(2).unbind(1)  # each (T, 1, hd/2)
-        x = self.embed[input_ids]  # (T, D)
+        heads = (c.num_heads, c.num_kv_heads, c.head_dim)
+        x = self.embed[input_ids]  # (T, D) the residual stream
+        h, x = ops.rms_norm(x, None, self.layers[0].attn_norm, c.rms_eps)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_eps)
-            q, k, v = F.linear(h, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rotary(q.view(T, c.num_heads, c.head_dim), cos, sin)  # (T, H, hd)
-            k = apply_rotary(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)  # (T, KV, hd)
-            kv.write(i, k, v.view(T, c.num_kv_heads, c.head_dim), meta.slot_mapping)
-            k_cache, v_cache = kv.layer(i)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, H, hd)
-            x = x + F.linear(o.reshape(T, q_size), layer.o)
-            h = rms_norm(x, layer.mlp_norm, c.rms_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # each (T, I)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            q = ops.rope_write(F.linear(h, layer.qkv), positions, self.rope, kv, i, meta, heads)  # (T, H, hd)
+            o = ops.attention(q, kv, i, meta, self.scale)  # (T, H, hd)
+            h, x = ops.rms_norm(x, F.linear(o.reshape(T, -1), layer.o), layer.mlp_norm, c.rms_eps)
+            down = F.linear(ops.silu_mul(F.linear(h, layer.gate_up)), layer.down)  # (T, D)
+            if i + 1 < len(self.layers):
+                h, x = ops.rms_norm(x, down, self.layers[i + 1].attn_norm, c.rms_eps)  # x += down; next norm
+            else:
+                x = x + down
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) of the positions we sample from -> (N, V) float32."""
-        return F.linear(rms_norm(hidden, self.norm, self.config.rms_eps), self.lm_head).float()
+        h, _ = self.ops.rms_norm(hidden.contiguous(), None, self.norm, self.config.rms_eps)
+        return self.ops.lm_head(h, self.lm_head)
