@@ -27,6 +27,7 @@ def decode_work(worker_id: str) -> str:
 
 # Core NATS request/reply.
 RECIPE_PREPARE = "recipe.prepare"
+RECIPE_COUNT_TOKENS = "recipe.count_tokens"
 KV_LOOKUP = "kv.lookup"
 KV_GET = "kv.get"
 KV_PUT = "kv.put"

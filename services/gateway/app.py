@@ -10,6 +10,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.metrics import Metrics
 from services.gateway.middleware import edge_middleware
 from services.gateway.routes import add_routes
+from services.gateway.routes.count import CountTokensHandler
 from services.gateway.routes.generate import GenerateHandler
 from services.gateway.routes.models import ModelsHandler
 from services.gateway.routes.ops import OpsHandler
@@ -39,5 +40,6 @@ def build_app(bus: Bus, config: GatewayConfig, models: list[str]) -> web.Applica
     )
     models_handler = ModelsHandler(models, created=int(time.time()))
     ops = OpsHandler(lambda: bus.connected, pumps, metrics)
-    add_routes(app, generate, models_handler, ops)
+    count = CountTokensHandler(bus, timeout_s=config.request_timeout_s, max_body_bytes=config.max_body_bytes)
+    add_routes(app, generate, count, models_handler, ops)
     return app

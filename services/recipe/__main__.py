@@ -1,13 +1,28 @@
-"""`python -m services.recipe`: the token codec between the gateway and the engine workers."""
+"""`python -m services.recipe`: the token codec between the gateway and the engine workers.
+
+Two offline commands share the entry point (they start fast: no service, no NATS):
+    python -m services.recipe render --api chat|responses|messages --encoding v4|v41|MODEL  < request.json
+    python -m services.recipe parse  --api chat|responses|messages --encoding v4|v41|MODEL  < {"request", "output"}
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from services.recipe.service import RecipeService
-from shared.config import ServiceConfig
-from shared.service import main
+if sys.argv[1:2] == ["render"]:
+    from services.recipe.cli_render import main as render
+
+    sys.exit(render(sys.argv[2:]))
+if sys.argv[1:2] == ["parse"]:
+    from services.recipe.cli_parse import main as parse
+
+    sys.exit(parse(sys.argv[2:]))
+
+from services.recipe.service import RecipeService  # noqa: E402 - the commands above must not pay for it
+from shared.config import ServiceConfig  # noqa: E402
+from shared.service import main  # noqa: E402
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -41,3 +41,17 @@ class ApiEvent:
     done: bool = False
     status: int = 200
     body: bytes = b""
+
+
+@dataclass(frozen=True)
+class CountTokensRequest:
+    """gateway -> recipe (`recipe.count_tokens`): how many prompt tokens would this request be?"""
+
+    api: str  # the API whose request shape `body` has ("messages")
+    body: bytes
+
+
+@dataclass(frozen=True)
+class CountTokensReply:
+    status: int
+    body: bytes  # the API's response JSON: the count, or its error body

@@ -6,22 +6,29 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from services.gateway.routes.count import CountTokensHandler
 from services.gateway.routes.generate import GenerateHandler
 from services.gateway.routes.models import ModelsHandler
 from services.gateway.routes.ops import OpsHandler
-from services.gateway.routes.table import API_ROUTES, ApiRoute
+from services.gateway.routes.table import API_ROUTES, COUNT_ROUTES, ApiRoute
+
+Handler = GenerateHandler | CountTokensHandler
 
 
-def _bind(generate: GenerateHandler, route: ApiRoute) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def _bind(handler: Handler, route: ApiRoute) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
-        return await generate.handle(request, route)
+        return await handler.handle(request, route)
 
     return handle
 
 
-def add_routes(app: web.Application, generate: GenerateHandler, models: ModelsHandler, ops: OpsHandler) -> None:
+def add_routes(
+    app: web.Application, generate: GenerateHandler, count: CountTokensHandler, models: ModelsHandler, ops: OpsHandler
+) -> None:
     for route in API_ROUTES:
         app.router.add_post(route.path, _bind(generate, route))
+    for route in COUNT_ROUTES:
+        app.router.add_post(route.path, _bind(count, route))
     app.router.add_get("/v1/models", models.list)
     app.router.add_get("/v1/models/{model_id:.+}", models.get)
     app.router.add_get("/health", ops.health)

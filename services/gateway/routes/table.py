@@ -22,7 +22,10 @@ API_ROUTES = (
     ApiRoute("/v1/responses", "responses", OPENAI),
 )
 
-_BY_PATH = {route.path: route for route in API_ROUTES}
+# Prompt-size questions answered by the recipe without generating: path -> the API whose request shape they take.
+COUNT_ROUTES = (ApiRoute("/v1/messages/count_tokens", "messages", ANTHROPIC),)
+
+_BY_PATH = {route.path: route for route in (*API_ROUTES, *COUNT_ROUTES)}
 
 
 def api_route(path: str) -> ApiRoute | None:
