@@ -22,6 +22,7 @@ class ToolSpec:
     description: str | None
     parameters: Any  # JSON schema (parsed JSON)
     strict: bool | None = None
+    defer_loading: bool = False  # offered for calling but left out of the prompt's tool list (Responses)
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,6 @@ class PreparedRequest:
     parsing: ParsingSpec
     echo: dict[str, Any] = field(default_factory=dict)  # Responses: request settings the response reports
     extra: dict[str, Any] = field(default_factory=dict)  # API-specific bits the emitters need (e.g. namespace tool map)
+    # Completions only: the raw prompt (no template, `conversation` is empty); text or token ids, not both.
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None

@@ -1,0 +1,63 @@
+"""API request -> `PreparedRequest`: one converter per API, all producing the same conversation model.
+
+    convert("chat", body, options)  ->  PreparedRequest  (or raises ConversionError: status + message)
+
+`body` is the raw request (bytes / str) or an already parsed JSON object. Errors carry the reference's status
+and message; `api_error` wraps one in the API's own error body for the client.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import orjson
+
+from services.recipe.apis.errors import ApiError, anthropic_error, openai_error
+from services.recipe.convert.options import (
+    DEEPSEEK_MODELS,
+    DEFAULT_OPTIONS,
+    ConversionError,
+    ConvertOptions,
+    Encoding,
+)
+from services.recipe.convert.serde import BodyError
+from services.recipe.prepared import PreparedRequest
+
+Converter = Callable[[Any, ConvertOptions], PreparedRequest]
+
+
+APIS = ("chat", "responses", "messages", "completions")
+
+
+def _converter(api: str) -> Converter:
+    # Imported on first use: the CLI converts one API per process and loads only that one.
+    module = importlib.import_module(f"services.recipe.convert.{api}")
+    return cast(Converter, module.convert)
+
+
+def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT_OPTIONS) -> PreparedRequest:
+    if api not in APIS:
+        raise ValueError(f"unknown API {api!r}")
+    if isinstance(body, (bytes, bytearray, memoryview, str)):
+        try:
+            body = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise ConversionError(f"invalid JSON request: {exc}") from None
+    try:
+        return _converter(api)(body, options)
+    except BodyError as exc:
+        raise ConversionError(f"invalid request body: {exc.message}") from None
+
+
+def api_error(api: str, error: ConversionError) -> ApiError:
+    """The refusal in the API's own error format (OpenAI's for chat, completions and responses)."""
+    if api == "messages":
+        return anthropic_error(error.status, error.message)
+    return openai_error(error.status, error.message, code="invalid_request_error")
+
+
+__all__ = [
+    "APIS", "DEEPSEEK_MODELS", "ConversionError", "ConvertOptions", "Encoding", "api_error", "convert",
+]

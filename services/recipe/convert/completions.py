@@ -1,0 +1,119 @@
+"""OpenAI (legacy) Completions -> PreparedRequest. The reference has no Completions API; this follows OpenAI's
+documented semantics, as vLLM serves them.
+
+The prompt is raw: a string or token ids (one prompt: a string, [string], [ids] or [[ids]]), encoded without
+any template and without thinking. OpenAI's defaults apply: max_tokens 16, at most 4 stop strings. Features
+that would change the response's shape and that we do not serve (n > 1, best_of, echo, suffix) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.recipe.conversation import Conversation
+from services.recipe.convert import common
+from services.recipe.convert.options import ConversionError, ConvertOptions
+from services.recipe.convert.serde import (
+    F32,
+    Any_,
+    BodyError,
+    Bool,
+    Custom,
+    Field,
+    Opt,
+    Str,
+    Struct,
+    UInt,
+    is_int,
+)
+from services.recipe.prepared import InferenceSpec, ParsingSpec, PreparedRequest
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_STOPS = 4
+MAX_LOGPROBS = 5
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt, as text or token ids."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if value and all(is_int(v) for v in value):
+            return _token_ids(value)
+        if len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        if len(value) == 1 and isinstance(value[0], list):
+            return _token_ids(value[0])
+        if len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+            raise BodyError("prompt: only one prompt per request is supported")
+    raise BodyError("prompt: expected a string, an array of token ids, or an array with one of those")
+
+
+def _token_ids(value: list[Any]) -> list[int]:
+    if not value:
+        raise BodyError("prompt: the token id array is empty")
+    for v in value:
+        if not is_int(v) or v < 0:
+            raise BodyError(f"prompt: token ids must be non-negative integers, got {v!r}")
+    return value
+
+
+def _stop(value: Any) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise BodyError("stop: expected a string or an array of strings")
+    return items
+
+
+REQUEST = Struct("CompletionRequest", [
+    Field("model", Str, required=True), Field("prompt", Custom(_prompt), required=True),
+    Field("max_tokens", Opt(UInt(32))), Field("temperature", Opt(F32)), Field("top_p", Opt(F32)),
+    Field("n", Opt(UInt(8))), Field("best_of", Opt(UInt(8))), Field("stream", Opt(Bool)),
+    Field("stream_options", Opt(Struct("StreamOptions", [Field("include_usage", Opt(Bool))]))),
+    Field("stop", Opt(Custom(_stop))), Field("seed", Opt(UInt(64))), Field("echo", Opt(Bool)),
+    Field("suffix", Opt(Str)), Field("logprobs", Opt(UInt(8))), Field("presence_penalty", Opt(F32)),
+    Field("frequency_penalty", Opt(F32)), Field("logit_bias", Any_), Field("user", Opt(Str)),
+])
+
+
+def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
+    req = REQUEST.read(body)
+    encoding = options.encoding(req["model"])
+    for key, allowed in (("n", 1), ("best_of", 1)):
+        if req[key] is not None and req[key] != allowed:
+            raise ConversionError(f"Invalid {key} value (currently only {key} = 1 is supported)")
+    if req["echo"]:
+        raise ConversionError("echo is not supported")
+    if req["suffix"]:
+        raise ConversionError("suffix is not supported")
+    stop = req["stop"] or []
+    if len(stop) > MAX_STOPS:
+        raise ConversionError(f"Stop string array too long: {len(stop)}")
+    stop = [s for s in stop if s]
+    for name in ("presence_penalty", "frequency_penalty"):
+        common.check_range(name, req[name], -2.0, 2.0, "[-2, 2]")
+    common.check_range("temperature", req["temperature"], 0.0, 2.0, "[0, 2]")
+    common.check_top_p(req["top_p"])
+    if req["logprobs"] is not None and req["logprobs"] > MAX_LOGPROBS:
+        raise ConversionError(f"Invalid logprobs value, the valid range of logprobs is [0, {MAX_LOGPROBS}]")
+    common.check_max_tokens(req["max_tokens"], options.max_tokens_bound(False))
+    common.check_seed(req["seed"])
+    stream = bool(req["stream"])
+    if req["stream_options"] is not None and not stream:
+        raise ConversionError("stream_options should be set along with stream = true")
+    prompt = req["prompt"]
+    # Raw prompts are sampled as the client asked: no thinking-mode or tool rules apply.
+    inference = InferenceSpec(
+        max_tokens=DEFAULT_MAX_TOKENS if req["max_tokens"] is None else req["max_tokens"],
+        temperature=1.0 if req["temperature"] is None else req["temperature"],
+        top_p=1.0 if req["top_p"] is None else req["top_p"], seed=req["seed"],
+        logprobs=req["logprobs"] is not None, top_logprobs=req["logprobs"],
+    )
+    return PreparedRequest(
+        api="completions", model=req["model"], encoding=encoding, stream=stream,
+        include_usage=bool(req["stream_options"] and req["stream_options"]["include_usage"]),
+        conversation=Conversation((), thinking=False), inference=inference,
+        parsing=ParsingSpec(parse_tool_calls=False, stop_sequences=stop),
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+    )

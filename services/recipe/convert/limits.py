@@ -1,0 +1,42 @@
+"""max_tokens once the prompt is encoded: the reference's `ConversationRequest.resolve_max_tokens`.
+
+    requested m:  prompt + m > context -> refused; else m
+    unset:        prompt > context -> refused; else min(default, context - prompt), at least 1
+                  default = 8,192 without thinking, 131,072 thinking at max effort, 65,536 thinking otherwise
+"""
+
+from __future__ import annotations
+
+from services.recipe.convert.options import ConversionError
+from services.recipe.prepared import PreparedRequest
+
+DEFAULT_MAX_TOKENS = 8_192
+THINKING_MAX_TOKENS = 65_536
+MAX_EFFORT_MAX_TOKENS = 131_072
+
+
+def default_max_tokens(prepared: PreparedRequest) -> int:
+    conv = prepared.conversation
+    if not conv.thinking:
+        return DEFAULT_MAX_TOKENS
+    return MAX_EFFORT_MAX_TOKENS if conv.reasoning_effort == "max" else THINKING_MAX_TOKENS
+
+
+def resolve_max_tokens(prepared: PreparedRequest, prompt_tokens: int, context_limit: int) -> int:
+    """The max_tokens to send to the engine; raises ConversionError (400) when the request cannot fit."""
+    requested = prepared.inference.max_tokens
+    if requested is not None:
+        if prompt_tokens + requested > context_limit:
+            raise _too_long(context_limit, prompt_tokens, requested)
+        return requested
+    if prompt_tokens > context_limit:
+        raise _too_long(context_limit, prompt_tokens, 0)
+    return max(1, min(default_max_tokens(prepared), context_limit - prompt_tokens))
+
+
+def _too_long(context: int, prompt: int, completion: int) -> ConversionError:
+    return ConversionError(
+        f"This model's maximum context length is {context} tokens. However, you requested {prompt + completion} "
+        f"tokens ({prompt} in the messages, {completion} in the completion). Please reduce the length of the "
+        "messages or completion."
+    )

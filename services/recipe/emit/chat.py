@@ -1,0 +1,152 @@
+"""OpenAI Chat Completions: `chat.completion.chunk` stream events and the `chat.completion` response, shaped
+as deepseek-recipe shapes them (DeepSeek's API): `reasoning_content` beside `content` in thinking mode, tool
+calls as OpenAI deltas, and usage with DeepSeek's `prompt_cache_hit_tokens` / `prompt_cache_miss_tokens`
+next to OpenAI's `prompt_tokens_details.cached_tokens`.
+
+In thinking mode the message reports `reasoning_content` once there is any (a turn that starts in reasoning
+reports "" from its first chunk; a continued answer reports none until reasoning arrives, i.e. never).
+
+Usage rides on the final chunk (the one with `finish_reason`). Chunks before it carry `"usage": null` when
+the client asked for usage (stream_options.include_usage) and no usage key otherwise.
+
+The hot path is one content (or reasoning) delta per parser event: its chunk is prebuilt bytes around the
+JSON-encoded text, not a dict serialized per token.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from services.recipe.emit.base import DONE_FRAME, Finish, StreamEvent, Usage, dumps
+from services.recipe.parse.stream import Event as ParseEvent
+
+_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
+           "tool_calls": "tool_calls"}
+
+
+def usage_json(usage: Usage, thinking: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+    if thinking:
+        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    out["prompt_cache_hit_tokens"] = usage.cached_tokens
+    out["prompt_cache_miss_tokens"] = usage.miss_tokens
+    return out
+
+
+def call_id(index: int) -> str:
+    return f"call_{index:02d}_{secrets.token_urlsafe(18)}"
+
+
+class ChatEmitter:
+    done_frame = DONE_FRAME
+
+    def __init__(
+        self, response_id: str, model: str, created: int, *, thinking: bool, stream: bool, include_usage: bool,
+        reasoning_first: bool = True,
+    ) -> None:
+        """`thinking`: thinking mode (reasoning fields and usage); `reasoning_first`: the turn starts in
+        reasoning (not a continued answer)."""
+        self._id, self._model, self._created = response_id, model, created
+        self._thinking = thinking
+        self._has_reasoning = thinking and reasoning_first
+        self._stream = stream
+        self._usage_key = include_usage or not stream  # deepseek-recipe: "usage": null on every chunk then
+        self._fingerprint: str | None = None
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._calls: list[dict[str, Any]] = []
+        self._args: list[list[str]] = []
+        self._finish: Finish | None = None
+        self._usage = Usage()
+        self._head = b""
+        self._tail = b""
+
+    def set_fingerprint(self, fingerprint: str | None) -> None:
+        self._fingerprint = fingerprint
+
+    def _prebuild(self) -> None:
+        head = {"id": self._id, "object": "chat.completion.chunk", "created": self._created, "model": self._model,
+                "system_fingerprint": self._fingerprint}
+        self._head = dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
+        self._tail = b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null}' if self._usage_key else b"}")
+        null = b',"reasoning_content":null}' if self._thinking else b"}"
+        self._content_open, self._content_close = b'{"content":', null
+        self._reasoning_open = b'{"content":null,"reasoning_content":'
+
+    def _chunk(self, delta: bytes) -> StreamEvent:
+        return (None, self._head + delta + self._tail)
+
+    def start(self, usage: Usage) -> list[StreamEvent]:
+        self._prebuild()
+        if not self._stream:
+            return []
+        if self._has_reasoning:
+            delta = b'{"role":"assistant","content":null,"reasoning_content":""}'
+        elif self._thinking:
+            delta = b'{"role":"assistant","content":"","reasoning_content":null}'
+        else:
+            delta = b'{"role":"assistant","content":""}'
+        return [self._chunk(delta)]
+
+    def event(self, ev: ParseEvent, out: list[StreamEvent]) -> None:
+        kind = ev[0]
+        if kind == "content":
+            self._content.append(ev[1])
+            if self._stream:
+                out.append(self._chunk(self._content_open + dumps(ev[1]) + self._content_close))
+        elif kind == "reasoning":
+            self._has_reasoning = True
+            self._reasoning.append(ev[1])
+            if self._stream:
+                out.append(self._chunk(self._reasoning_open + dumps(ev[1]) + b"}"))
+        elif kind == "args":
+            index, text = ev[1], ev[2]
+            self._args[index].append(text)
+            if self._stream:
+                call = {"index": index, "function": {"arguments": text}}
+                out.append(self._chunk(dumps({"tool_calls": [call]})))
+        elif kind == "tool":
+            index, name = ev[1], ev[2]
+            call = {"index": index, "id": call_id(index), "type": "function",
+                    "function": {"name": name, "arguments": ""}}
+            self._calls.append(call)
+            self._args.append([])
+            if self._stream:
+                out.append(self._chunk(dumps({"tool_calls": [call]})))
+
+    def finish(self, finish: Finish, usage: Usage) -> list[StreamEvent]:
+        self._finish, self._usage = finish, usage
+        if not self._stream:
+            return []
+        delta: dict[str, Any] = {"content": ""}
+        if self._thinking:
+            delta["reasoning_content"] = None
+        chunk = {"id": self._id, "object": "chat.completion.chunk", "created": self._created, "model": self._model,
+                 "system_fingerprint": self._fingerprint,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": _FINISH[finish.reason]}],
+                 "usage": usage_json(usage, self._thinking)}
+        return [(None, dumps(chunk))]
+
+    def body(self) -> bytes:
+        assert self._finish is not None, "body() before finish()"
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._content)}
+        if self._has_reasoning:
+            message["reasoning_content"] = "".join(self._reasoning)
+        if self._calls:
+            message["tool_calls"] = [
+                {**call, "function": {"name": call["function"]["name"], "arguments": "".join(args)}}
+                for call, args in zip(self._calls, self._args)
+            ]
+        return dumps({
+            "id": self._id, "object": "chat.completion", "created": self._created, "model": self._model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": _FINISH[self._finish.reason]}],
+            "usage": usage_json(self._usage, self._thinking),
+            "system_fingerprint": self._fingerprint,
+        })

@@ -1,0 +1,72 @@
+"""OpenAI (legacy) Completions: `text_completion` chunks and response. No oracle: shaped after OpenAI's API
+reference and vLLM. Completions continue raw text, so only answer text reaches here (no reasoning, no tool
+calls: the processor parses completions as plain text with stop sequences).
+
+Streaming: one chunk per text delta, a final chunk with `finish_reason`, then, when the client asked for it
+(stream_options.include_usage), a usage chunk with no choices; until then chunks carry `"usage": null`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.recipe.emit.base import DONE_FRAME, Finish, StreamEvent, Usage, dumps
+from services.recipe.parse.stream import Event as ParseEvent
+
+_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
+           "tool_calls": "stop"}
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+class CompletionsEmitter:
+    done_frame = DONE_FRAME
+
+    def __init__(self, response_id: str, model: str, created: int, *, stream: bool, include_usage: bool) -> None:
+        self._id, self._model, self._created = response_id, model, created
+        self._stream = stream
+        self._include_usage = include_usage
+        self._text: list[str] = []
+        self._finish: Finish | None = None
+        self._usage = Usage()
+        self._head = dumps({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                            "system_fingerprint": None})[:-1] + b',"choices":[{"index":0,"text":'
+        self._tail = b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null}' if include_usage else b"}")
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> StreamEvent:
+        chunk: dict[str, Any] = {"id": self._id, "object": "text_completion", "created": self._created,
+                                 "model": self._model, "system_fingerprint": None, "choices": choices}
+        if self._include_usage:
+            chunk["usage"] = usage
+        return (None, dumps(chunk))
+
+    def start(self, usage: Usage) -> list[StreamEvent]:
+        return []
+
+    def event(self, ev: ParseEvent, out: list[StreamEvent]) -> None:
+        if ev[0] != "content":
+            return
+        self._text.append(ev[1])
+        if self._stream:
+            out.append((None, self._head + dumps(ev[1]) + self._tail))
+
+    def finish(self, finish: Finish, usage: Usage) -> list[StreamEvent]:
+        self._finish, self._usage = finish, usage
+        if not self._stream:
+            return []
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": _FINISH[finish.reason]}
+        out = [self._chunk([choice])]
+        if self._include_usage:
+            out.append(self._chunk([], usage_json(usage)))
+        return out
+
+    def body(self) -> bytes:
+        assert self._finish is not None, "body() before finish()"
+        choice = {"index": 0, "text": "".join(self._text), "logprobs": None,
+                  "finish_reason": _FINISH[self._finish.reason]}
+        return dumps({"id": self._id, "object": "text_completion", "created": self._created, "model": self._model,
+                      "system_fingerprint": None, "choices": [choice], "usage": usage_json(self._usage)})
