@@ -230,6 +230,20 @@ def run_shape(name: str, args, bw: float, flops: float, results: dict) -> None:
         r[f"decode_b{b}"] = {"ours": full, "ours_gpu": gpu,
                               "roofline": roofline_decode(c, b, PROMPT + WARM + STEPS // 2, bw, flops)}
         log(f"{name} decode b{b}: ours {full:,.0f} tok/s (GPU step alone {gpu:,.0f})")
+        if b in (1, 256):  # the same without overlapped scheduling (host work between GPU steps)
+            engine.overlap = False
+            r[f"decode_b{b}"]["ours_sync"], _ = ours_decode(engine, b, c.vocab_size, seed=b + 1)
+            engine.overlap = True
+            log(f"{name} decode b{b} synchronous: {r[f'decode_b{b}']['ours_sync']:,.0f} tok/s")
+    # batch 1 the other way: fused Triton GEMVs <-> cuBLAS GEMMs with separate norm / residual / SwiGLU kernels
+    other = Engine(loaded, device="cuda", kv_blocks=kv_blocks // 8, max_running=8, max_batch_tokens=8192)
+    other.model.fused_rows = 0 if engine.model.fused_rows else other.model.ops.gemv_rows
+    full, gpu = ours_decode(other, 1, c.vocab_size, seed=3)
+    key = "cublas" if engine.model.fused_rows else "gemv"
+    r["decode_b1"] |= {"other": key, "ours_other": full, "ours_other_gpu": gpu}
+    log(f"{name} decode b1 with {key}: ours {full:,.0f} tok/s (GPU step alone {gpu:,.0f})")
+    del other
+    torch.cuda.empty_cache()
     pf = ours_prefill(engine, 2048, c.vocab_size)
     r["prefill_2k"] = {"ours": pf, "roofline": flops / prefill_flops(c, 2048) * 2048,
                        "ours_tflops": pf * prefill_flops(c, 2048) / 2048 / 1e12}
@@ -279,8 +293,9 @@ def table(results: dict, bw: float, flops: float) -> str:
         f"bf16 8192^3 matmul {flops / 1e12:.0f} TFLOP/s. Random bf16 weights; decode = 128-token prompts, "
         f"{STEPS} timed steps; greedy.",
         "",
-        "| shape | metric | ours (Engine.step) | ours (GPU step alone) | HF eager | HF static+compile | roofline | ours / roofline |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | metric | ours (Engine.step) | ours (GPU step alone) | ours, not overlapped | ours, other GEMM "
+        "path (step / GPU alone) | HF eager | HF static+compile | roofline | ours / roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         for key in [f"decode_b{b}" for b in BATCHES] + ["prefill_2k"]:
@@ -288,7 +303,9 @@ def table(results: dict, bw: float, flops: float) -> str:
                 continue
             x = r[key]
             label = key.replace("decode_b", "decode tok/s, batch ") if key != "prefill_2k" else "prefill tok/s, 2K prompt"
-            lines.append(f"| {name} | {label} | {fmt(x['ours'])} | {fmt(x.get('ours_gpu'))} | {fmt(x.get('hf_eager'))} | "
+            cublas = f"{x['other']}: {fmt(x['ours_other'])} / {fmt(x['ours_other_gpu'])}" if "other" in x else "-"
+            lines.append(f"| {name} | {label} | {fmt(x['ours'])} | {fmt(x.get('ours_gpu'))} | "
+                         f"{fmt(x.get('ours_sync'))} | {cublas} | {fmt(x.get('hf_eager'))} | "
                          f"{fmt(x.get('hf_compiled'))} | {fmt(x['roofline'])} | {x['ours'] / x['roofline']:.0%} |")
     lines.append("")
     for name, r in results.items():

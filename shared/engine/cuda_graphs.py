@@ -23,35 +23,40 @@ from shared.engine.kv_cache import KVCache
 
 
 class PinnedStaging:
-    """A growing pinned int32 host buffer and its device twin: one host->device copy per step.
+    """Growing pinned int32 host buffers and their device twin: one host->device copy per step.
 
-    The host side is reused by the next step; that is safe because every step ends by reading the sampled
-    tokens back, which waits for the copy."""
+    Two host buffers, used in turn: with overlapped steps, step N+1 is packed while step N's copy may still
+    wait in the stream behind step N-1; by then step N-1's tokens were read back (an event after its copy),
+    so the buffer N-1 used is free again."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host = torch.empty(0, dtype=torch.int32)
-        self._np = self._host.numpy()
+        self._bufs = [torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)]
+        self._turn = 0
 
     def host(self, n: int) -> np.ndarray:
-        if n > self._host.numel():
+        """The next host buffer, n entries (the following to_device() sends it)."""
+        self._turn ^= 1
+        if n > self._bufs[self._turn].numel():
             pin = self.device.type == "cuda"  # (the CPU runs this path in tests, under Triton's interpreter)
-            self._host = torch.empty(max(n, 2 * self._host.numel()), dtype=torch.int32, pin_memory=pin)
-            self._np = self._host.numpy()
-        return self._np[:n]
+            size = max(n, 2 * self._bufs[self._turn].numel())
+            self._bufs[self._turn] = torch.empty(size, dtype=torch.int32, pin_memory=pin)
+        return self._bufs[self._turn].numpy()[:n]
 
     def to_device(self, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty(n, dtype=torch.int32, device=self.device)
-        out[:n].copy_(self._host[:n], non_blocking=True)
+        out[:n].copy_(self._bufs[self._turn][:n], non_blocking=True)
         return out
 
 
 class DecodeGraphs:
     def __init__(
-        self, model, kv: KVCache, device: torch.device, block_tokens: int, max_tokens: int, sizes: tuple[int, ...]
+        self, model, kv: KVCache, device: torch.device, block_tokens: int, max_tokens: int, sizes: tuple[int, ...],
+        fed: torch.Tensor,
     ) -> None:
         self.model = model
+        self.fed = fed  # the last step's sampled tokens: placeholder ids -(r + 1) read row r
         self.kv = kv
         self.bt = block_tokens
         self.width = -(-max_tokens // block_tokens)  # W: pages of the longest possible sequence
@@ -78,15 +83,16 @@ class DecodeGraphs:
         buf = self.staging.host(n)
         ids, pos, slots, ctx = (buf[i * B : (i + 1) * B] for i in range(4))
         tables = buf[4 * B :].reshape(B, W)
+        # per-sequence Python kept to list building (numpy element writes cost ~0.1 us each; 256 rows a step)
+        pos[:S] = [c.start for c in chunks]
+        ids[:S] = [c.seq.token_ids[c.start] for c in chunks]
         for i, c in enumerate(chunks):
-            seq, p = c.seq, c.start
-            table = seq.block_table
-            ids[i] = seq.token_ids[p]
-            pos[i] = p
-            slots[i] = table[p // bt] * bt + p % bt
+            table = c.seq.block_table
             tables[i, : len(table)] = table
+        p = pos[:S]
+        slots[:S] = tables[np.arange(S), p // bt] * bt + p % bt
         ids[S:], pos[S:], slots[S:], ctx[S:] = 0, 0, -1, 0
-        ctx[:S] = pos[:S] + 1
+        ctx[:S] = p + 1
         C = self.context_buckets[bisect.bisect_left(self.context_buckets, int(ctx[:S].max()))]
         self.staging.to_device(n, self.inputs)
         if (B, C) not in self.graphs:
@@ -104,7 +110,7 @@ class DecodeGraphs:
         tables = self.inputs[4 * B : B * (4 + W)].view(B, W)
         q = ctx.new_zeros(1)  # unused by the decode kernel
         batch = BatchTensors(tables, ctx, q, q, 1, C, True, False)
-        hidden = self.model.forward(ids, pos, AttentionMetadata(slots, [], batch), self.kv)  # (B, D)
+        hidden = self.model.forward(ids, pos, AttentionMetadata(slots, [], batch), self.kv, self.fed)  # (B, D)
         return self.model.logits(hidden)  # (B, V)
 
     def _capture(self, B: int, C: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -2,11 +2,23 @@
 
 Single-threaded by design: every method is called from one thread (AsyncEngine owns it), so there are no
 locks; requests join and leave between any two steps (continuous batching).
+
+On a GPU steps overlap: step() launches step N+1 before it waits for step N's tokens, so the host's
+scheduling, packing and postprocessing run while the device computes.
+
+    host    launch N | resolve N-1 | launch N+1 | resolve N | ...      (a call to step() = one launch + one resolve)
+    device  ...  N-1 |          N            |          N+1      ...
+
+Step N+1's input ids for sequences sampled at N are placeholders that the model reads from the device copy of
+N's tokens (ModelRunner.fed); N's tokens reach the host through an async copy into pinned memory and an event.
+A sequence that stops at N has already been scheduled for N+1: that token is computed, taken back, never
+reported (scheduler.resolve). The tokens are the same as the synchronous path's.
 """
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +32,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.sampler import sample, sample_on_device
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
 from shared.models import ModelFiles, resolve
 
@@ -34,6 +46,21 @@ def graph_buckets(max_running: int) -> tuple[int, ...]:
     """Decode batch sizes with a CUDA graph: 1, 2, 4, 8, then every 16 up to max_running (and it)."""
     sizes = {b for b in (1, 2, 4, 8) if b < max_running} | set(range(16, max_running, 16)) | {max_running}
     return tuple(sorted(sizes))
+
+
+@dataclass
+class _Launched:
+    """A step on its way: its plan and its sampled tokens (a host list, or a pinned buffer an event guards)."""
+
+    plan: StepPlan
+    tokens: list[int] | torch.Tensor
+    done: torch.cuda.Event | None = None
+
+    def result(self) -> list[int]:
+        if self.done is None:
+            return self.tokens
+        self.done.synchronize()
+        return self.tokens.tolist()
 
 
 class Engine:
@@ -72,7 +99,11 @@ class Engine:
         batched = ops.name == "triton"
         graphs = graph_buckets(max_running) if batched and cuda_graphs and self.device.type == "cuda" else ()
         self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
-                                  max_tokens=self.max_tokens, graph_sizes=graphs)
+                                  max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=max_running)
+        self.overlap = self.device.type == "cuda"  # the CPU steps synchronously (tests may switch this on)
+        self._inflight: _Launched | None = None
+        self._readback = [self._pinned(max_running), self._pinned(max_running)]  # alternate: N's, N+1's
+        self._steps = 0
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -81,17 +112,43 @@ class Engine:
         self.scheduler.add(seq)
 
     def step(self) -> list[StepOutput]:
+        """Outputs of one step. Overlapped: launch the next step, then resolve the one launched before."""
+        while True:
+            done = self._inflight or self._launch()
+            if done is None:
+                return []
+            self._inflight = self._launch() if self.overlap else None
+            outputs = self.scheduler.resolve(done.plan, done.result())
+            if outputs or self._inflight is None:
+                return outputs  # (empty: every request of that step was aborted since; go on to the next)
+
+    def _launch(self) -> _Launched | None:
+        """Schedule, run and sample one step without waiting for it (on a GPU), then commit it."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            return []
+            return None
         logits = self.runner.run(plan)  # (num_sampled, V)
         rows = [c.seq for c in plan.chunks if c.sample]
         specs, positions = [s.sampling for s in rows], [s.output_position for s in rows]
+        self.scheduler.commit(plan)  # after reading output positions: it advances them
         if self.device.type == "cpu":
             tokens = sample(logits, specs, positions)
-        else:  # on the device, batched; the one host round trip of the step is reading the tokens back
-            tokens = sample_on_device(logits, specs, positions).tolist()
-        return self.scheduler.postprocess(plan, tokens)
+            if self.overlap:
+                self.runner.feed(torch.tensor(tokens, dtype=torch.long))
+            return _Launched(plan, tokens)
+        # on the device, batched; the one host round trip is reading the tokens back, one step later
+        dev_tokens = sample_on_device(logits, specs, positions)  # (N,) int64
+        if self.overlap:
+            self.runner.feed(dev_tokens)
+        self._steps += 1
+        host = self._readback[self._steps % 2][: len(rows)]
+        host.copy_(dev_tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Launched(plan, host, event)
+
+    def _pinned(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
@@ -118,7 +175,7 @@ class Engine:
     # --- introspection ----------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -8,6 +8,9 @@
 On a GPU the step's integer inputs (ids, positions, slots, block tables, lengths, sampled rows) are packed on
 the host into one pinned int32 buffer and cross to the device in one copy; decode-only steps replay a CUDA
 graph captured for the next bucketed batch size (cuda_graphs.py).
+
+Input ids may be placeholders -(r + 1) for tokens sampled by the step still in flight (overlapped scheduling):
+the model's embedding reads row r of `fed`, the device copy of that step's sampled tokens.
 """
 
 from __future__ import annotations
@@ -26,17 +29,24 @@ from shared.engine.scheduler import StepPlan
 class ModelRunner:
     def __init__(
         self, model: CausalLM, kv: KVCache, device: torch.device, block_tokens: int, *, batched: bool = False,
-        max_tokens: int = 0, graph_sizes: tuple[int, ...] = (),
+        max_tokens: int = 0, graph_sizes: tuple[int, ...] = (), max_rows: int = 1,
     ) -> None:
         """batched: build the packed device metadata (the Triton ops need it); graph_sizes: decode batch
-        sizes to capture CUDA graphs for (lazily, on first use), each sequence up to max_tokens long."""
+        sizes to capture CUDA graphs for (lazily, on first use), each sequence up to max_tokens long;
+        max_rows: most sampled rows in one step (the size of `fed`)."""
         self.model = model
         self.kv = kv
         self.device = device
         self.bt = block_tokens
         self.batched = batched
+        self.fed = torch.zeros(max_rows, dtype=torch.long, device=device)  # the last step's sampled tokens
         self.staging = PinnedStaging(device) if batched else None
-        self.graphs = DecodeGraphs(model, kv, device, block_tokens, max_tokens, graph_sizes) if graph_sizes else None
+        self.graphs = (DecodeGraphs(model, kv, device, block_tokens, max_tokens, graph_sizes, self.fed)
+                       if graph_sizes else None)
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        """tokens (N,) int64 sampled by the step just launched: the next step's placeholders read them."""
+        self.fed[: tokens.shape[0]].copy_(tokens, non_blocking=True)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -61,7 +71,7 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
         meta = AttentionMetadata(self._tensor(slots), spans)
-        hidden = self.model.forward(self._tensor(ids), self._tensor(positions), meta, self.kv)  # (T, D)
+        hidden = self.model.forward(self._tensor(ids), self._tensor(positions), meta, self.kv, self.fed)  # (T, D)
         return self.model.logits(hidden[self._tensor(sample_rows)])  # (N, V)
 
     def _run_batched(self, plan: StepPlan) -> torch.Tensor:
@@ -97,7 +107,7 @@ class ModelRunner:
         spans = [SeqSpan(int(q_starts[i]), int(q_lens[i]), int(ctx[i]), d_tables[i]) for i in range(S)] if fresh else []
         batch = BatchTensors(d_tables, d_ctx, d_qs, d_ql, int(q_lens.max()), int(ctx.max()), T == S, fresh)
         meta = AttentionMetadata(d_slots, spans, batch)
-        hidden = self.model.forward(d_ids, d_pos, meta, self.kv)  # (T, D)
+        hidden = self.model.forward(d_ids, d_pos, meta, self.kv, self.fed)  # (T, D)
         return self.model.logits(hidden[d_rows.long()])  # (N, V)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

@@ -23,6 +23,8 @@ from shared.engine.kv_cache import KVCache
 class Ops(Protocol):
     name: str
 
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor, fed: torch.Tensor | None) -> torch.Tensor: ...
+
     def rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -35,6 +37,17 @@ class Ops(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def lm_head(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    # Small batches (T <= gemv_rows): linear layers with their neighbours fused (0 = never)
+    gemv_rows: int
+
+    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor
+                    ) -> torch.Tensor: ...
+
+    def norm_swiglu(self, x: torch.Tensor, norm: torch.Tensor, eps: float, gate_up: torch.Tensor
+                    ) -> torch.Tensor: ...
+
+    def linear_residual(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,6 +64,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class TorchOps:
     name = "torch"
+    gemv_rows = 0  # the unfused forward always; the fused forms below are the reference for the kernels
+
+    def norm_linear(self, x, norm, eps, weight):
+        return F.linear(rms_norm(x, norm, eps), weight)
+
+    def norm_swiglu(self, x, norm, eps, gate_up):
+        return self.silu_mul(F.linear(rms_norm(x, norm, eps), gate_up))
+
+    def linear_residual(self, a, weight, x):
+        return x + F.linear(a, weight)
+
+    def embed(self, ids, weight, fed):
+        """weight[ids]; an id -(r + 1) stands for fed[r] (overlapped scheduling's placeholders)."""
+        if fed is not None:
+            ids = torch.where(ids < 0, fed[(-ids - 1).clamp(min=0)], ids)
+        return weight[ids]
 
     def rms_norm(self, x, delta, w, eps):
         """(RMSNorm(x + delta), x + delta); delta None = no residual add."""
@@ -88,12 +117,18 @@ class TritonOps:
     name = "triton"
 
     def __init__(self) -> None:
-        from shared.engine.kernels import attention, fused  # decorated here: after TRITON_INTERPRET is known
+        # decorated here: after TRITON_INTERPRET is known
+        from shared.engine.kernels import attention, fused, gemv
 
         self._attn = attention
         self._fused = fused
+        self._gemv = gemv.gemv
+        self.gemv_rows = 8  # decode at batch <= 8: Triton GEMVs with norm / residual / SwiGLU fused in
         self._fp32_heads: dict[int, torch.Tensor] = {}
         self._mm_to_fp32: bool | None = None  # does torch.mm(bf16, bf16, out_dtype=float32) run here?
+
+    def embed(self, ids, weight, fed):
+        return self._fused.embed(ids, weight, fed)
 
     def rms_norm(self, x, delta, w, eps):
         return self._fused.add_rms_norm(x, delta, w, eps), x
@@ -140,6 +175,15 @@ class TritonOps:
 
     def silu_mul(self, gate_up):
         return self._fused.silu_mul(gate_up)
+
+    def norm_linear(self, x, norm, eps, weight):
+        return self._gemv(x, weight, norm=norm, eps=eps)
+
+    def norm_swiglu(self, x, norm, eps, gate_up):
+        return self._gemv(x, gate_up, norm=norm, eps=eps, swiglu=True)
+
+    def linear_residual(self, a, weight, x):
+        return self._gemv(a, weight, residual=x)
 
     def lm_head(self, h, weight):
         """float32 logits from the bf16 GEMM's float32 accumulator: rounding them to bf16 first flips near-ties."""

@@ -5,6 +5,18 @@ computes tokens[num_computed : num_computed + n] for each scheduled sequence: n 
 up to the remaining budget when prefilling. A sequence samples when its chunk reaches its last token.
 When blocks run out, the youngest unscheduled running sequence is preempted: its blocks are freed and it waits
 again at the head of the queue, to be recomputed (mostly from the local prefix cache) later.
+
+A step's results are applied in two halves, so the next step can be planned while this one still runs on the
+device (overlapped scheduling):
+
+    commit(plan)            at launch: num_computed advances; every sampled chunk appends a placeholder token
+                            -(r + 1), r = its row in the step's sampled tokens (the next step's input reads that
+                            row from the device); a sequence that reaches max_new_tokens is not scheduled again
+    resolve(plan, tokens)   when the tokens are on the host: placeholders filled, blocks published, stop/length
+                            checked; a sequence that stopped but was already scheduled for one more token (the
+                            one-step lag) has that extra token taken back, never reported
+
+postprocess() is the two back to back (the synchronous path).
 """
 
 from __future__ import annotations
@@ -33,6 +45,11 @@ class StepPlan:
     @property
     def num_sampled(self) -> int:
         return sum(c.sample for c in self.chunks)
+
+
+def _done(seq: Sequence) -> bool:
+    """The sequence's last token is already committed (in flight): it only waits to be resolved."""
+    return seq.num_generated >= seq.max_new_tokens
 
 
 class Scheduler:
@@ -88,8 +105,8 @@ class Scheduler:
             for seq in list(self.running):
                 if budget == 0:
                     break
-                if seq.status is not Status.RUNNING or (seq.num_remaining == 1) != decoding:
-                    continue  # preempted earlier in this loop, or not in this pass
+                if seq.status is not Status.RUNNING or (seq.num_remaining == 1) != decoding or _done(seq):
+                    continue  # preempted earlier in this loop, not in this pass, or its last token is in flight
                 n, evicted = self._reserve(seq, min(seq.num_remaining, budget), scheduled)
                 preempted |= evicted
                 if n:
@@ -109,24 +126,43 @@ class Scheduler:
         return plan
 
     def postprocess(self, plan: StepPlan, sampled: list[int]) -> list[StepOutput]:
+        self.commit(plan)
+        return self.resolve(plan, sampled)
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step is launched: its KV is (being) computed and each sampled chunk owes one token."""
+        row = 0
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            if chunk.sample:
+                row += 1
+                seq.token_ids.append(-row)  # placeholder -(r + 1) for sampled row r
+                seq.num_generated += 1
+
+    def resolve(self, plan: StepPlan, sampled: list[int]) -> list[StepOutput]:
+        """The committed step's tokens are known: fill them in, publish blocks, finish sequences."""
         assert len(sampled) == plan.num_sampled
         tokens = iter(sampled)
         outputs = []
         for chunk in plan.chunks:
             seq = chunk.seq
-            seq.num_computed += chunk.num_tokens
-            self._publish(seq)
+            token = next(tokens) if chunk.sample else None
+            if self.seqs.get(seq.request_id) is not seq or seq.status is Status.HELD:
+                continue  # aborted since the launch, or finished a step earlier (this was its extra token)
             new: list[int] = []
             reason = None
-            if chunk.sample:
-                token = next(tokens)
-                seq.token_ids.append(token)
-                seq.num_generated += 1
+            if token is not None:
+                at = chunk.start + chunk.num_tokens  # index of the sampled token in token_ids
+                seq.token_ids[at] = token
                 new = [token]
                 if token in seq.stop_ids:
                     reason = "stop"
-                elif seq.num_generated >= seq.max_new_tokens:
+                elif seq.num_generated - (seq.num_tokens - 1 - at) >= seq.max_new_tokens:
                     reason = "length"
+                if reason is not None and seq.num_tokens > at + 1:
+                    self._take_back(seq)  # stopped, yet already computing one more token: drop it
+            self._publish(seq)
             if reason is not None:
                 self._finish(seq)
             outputs.append(StepOutput(seq.request_id, new, reason, seq.num_cached or 0))
@@ -146,7 +182,9 @@ class Scheduler:
             if n > 1 and fit > 0:
                 n = fit
                 continue
-            victim = next((s for s in reversed(self.running) if s is not seq and s not in scheduled), None)
+            # (a sequence whose last token is in flight finishes at the next resolve: never a victim)
+            victim = next((s for s in reversed(self.running) if s is not seq and s not in scheduled and not _done(s)),
+                          None)
             if victim is None:
                 if n == 1:
                     self._preempt(seq)
@@ -192,8 +230,21 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
+    def _take_back(self, seq: Sequence) -> None:
+        """Undo the commit of a decode step that came one token too late (the overlapped path's lag)."""
+        assert seq.status is Status.RUNNING and seq.num_remaining == 1
+        seq.token_ids.pop()
+        seq.num_generated -= 1
+        seq.num_computed -= 1
+        keep = -(-seq.num_computed // self.bt)
+        self.blocks.free(seq.block_table[keep:])  # the in-flight write to it precedes any reuse on the stream
+        del seq.block_table[keep:]
+
     def _finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        if seq.status is Status.WAITING:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
         if seq.hold_kv:
             seq.status = Status.HELD
             self.held[seq.request_id] = seq

@@ -138,3 +138,50 @@ def test_triton_ops_match_torch_ops(loaded: LoadedModel, device: str) -> None:
                                                      prefix_blocks=blobs, prefix_tokens=len(PROMPTS[1]))])["c"]
     assert first + rest == expected["r1"]
     assert fast.stats().free_blocks == 32 and chunked.stats().free_blocks == 32
+
+
+def overlap_workload(engine: Engine, stop: list[int]) -> dict[str, list[int]]:
+    """Mixed lengths and finishes (stop tokens, max_new_tokens, an abort), requests joining mid-run; every
+    output is checked for the one-step lag's rule: nothing after a finish, a finish exactly once."""
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    hot = SamplingParams(temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
+    first = [EngineRequest(f"a{i}", p, greedy, n, stop_token_ids=stop) for i, (p, n) in
+             enumerate(zip(PROMPTS, (9, 3, 12)))]
+    later = [EngineRequest("b0", PROMPTS[0] + [7], hot, 6, stop_token_ids=stop),
+             EngineRequest("b1", PROMPTS[1][:20], greedy, 1), EngineRequest("x", PROMPTS[2], greedy, 30)]
+    out: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    for r in first:
+        engine.add(r)
+    step = 0
+    while engine.has_work():
+        if step == 2:
+            for r in later:
+                engine.add(r)
+        if step == 6:
+            engine.abort("x")
+        for o in engine.step():
+            assert o.request_id not in finished, "an output after the finish"
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finish_reason is not None:
+                finished.add(o.request_id)
+                assert len(out[o.request_id]) <= 30 and (o.finish_reason == "length") != (o.token_ids[-1] in stop)
+        step += 1
+    assert finished == {"a0", "a1", "a2", "b0", "b1"}
+    assert engine.stats().free_blocks == engine.stats().total_blocks and engine.stats().running == 0
+    out.pop("x", None)  # aborted: how far it got depends on the lag
+    return out
+
+
+def test_overlapped_steps_match_synchronous(loaded: LoadedModel) -> None:
+    """The overlapped path (one-step lag, placeholders read from the device copy of the last tokens), run on
+    the CPU here with the torch ops: the same tokens and finishes as the synchronous path."""
+    sync = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    probe = run_to_completion(sync, [EngineRequest(f"p{i}", p, SamplingParams(temperature=0, ignore_eos=True), 12)
+                                     for i, p in enumerate(PROMPTS)])
+    stop = [probe["p0"][4], probe["p2"][2]]  # tokens these prompts produce mid-run: some stop early
+    expected = overlap_workload(sync, stop)
+    assert any(len(v) < n for v, n in ((expected["a0"], 9), (expected["a2"], 12)))  # a stop did happen
+    fast = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    fast.overlap = True
+    assert overlap_workload(fast, stop) == expected

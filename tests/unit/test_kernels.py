@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 from shared.engine.attention import AttentionMetadata, SeqSpan, paged_attention  # noqa: E402
 from shared.engine.kernels import attention as ka  # noqa: E402
 from shared.engine.kernels import fused  # noqa: E402
+from shared.engine.kernels.gemv import gemv  # noqa: E402
 from shared.engine.models.llama import apply_rotary, rms_norm, rotary_tables  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -137,3 +138,25 @@ def test_add_rms_norm_and_silu_mul(dtype: torch.dtype) -> None:
     gu = torch.randn(T, 2 * I, generator=gen).to(DEVICE, dtype)
     gate, up = gu.float().chunk(2, dim=-1)
     assert rel_err(fused.silu_mul(gu), torch.nn.functional.silu(gate) * up) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 128, 40), (5, 40, 24)])  # K a multiple of the tile, and a ragged one
+def test_gemv_fusions_match_reference(dtype: torch.dtype, M: int, K: int, N: int) -> None:
+    gen = torch.Generator().manual_seed(M * 1000 + K)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(2 * N, K, generator=gen) / K**0.5).to(DEVICE, dtype)
+    nw = (1 + 0.1 * torch.randn(K, generator=gen)).to(DEVICE, dtype)
+    h = rms_norm(x.float(), nw.float(), 1e-5)
+    assert rel_err(gemv(x, w[:N], norm=nw, eps=1e-5), h @ w[:N].float().T) < TOL[dtype]
+    gate, up = (h @ w.float().T).chunk(2, dim=-1)
+    assert rel_err(gemv(x, w, norm=nw, eps=1e-5, swiglu=True), torch.nn.functional.silu(gate) * up) < TOL[dtype]
+    a = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(M, N, generator=gen).to(DEVICE, dtype)
+    ref = res.float() + a.float() @ w[:N].float().T
+    out = gemv(a, w[:N], residual=res)
+    assert out is res and rel_err(res, ref) < TOL[dtype]
+    assert rel_err(gemv(a, w[:N]), a.float() @ w[:N].float().T) < TOL[dtype]
+    # each row's result is independent of the other rows (a batch-1 step gives what it gives in a batch)
+    if M > 1:
+        assert torch.equal(gemv(a[1:2].contiguous(), w[:N]), gemv(a, w[:N])[1:2])

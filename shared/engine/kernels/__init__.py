@@ -2,7 +2,9 @@
 
     attention.py  paged decode attention (GQA, split over the sequence) and paged prefill attention
                   (variable length, causal, over a cached prefix plus the new tokens)
-    fused.py      RoPE + KV write into pages, RMSNorm (+ residual add), SwiGLU
+    fused.py      embedding (with overlapped scheduling's placeholders), RoPE + KV write into pages,
+                  RMSNorm (+ residual add), SwiGLU
+    gemv.py       small-batch linear layers with RMSNorm / residual add / SwiGLU fused in (batch <= 8 decode)
 
 On a CPU they run under TRITON_INTERPRET=1 (tests only: fp32/fp16; bf16 is broken in the interpreter).
 """

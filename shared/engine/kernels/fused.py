@@ -1,5 +1,6 @@
 """Fused elementwise kernels: each replaces several torch ops (and their round trips through memory).
 
+    embed          weight[ids] with placeholder ids -(r + 1) read from fed[r] (overlapped scheduling)
     rope_write     qkv (T, (H + 2 KV) * hd) from the fused projection: rotate q in place, rotate k and store
                    k, v into their pages (slot < 0 = padding row, not stored). One program per token.
     add_rms_norm   x += delta (rounded to the activation dtype, as the torch path does); h = RMSNorm(x)
@@ -12,6 +13,31 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _embed_kernel(ids_ptr, fed_ptr, w_ptr, out_ptr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_FED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    tok = tl.load(ids_ptr + t).to(tl.int64)
+    if HAS_FED:
+        if tok < 0:
+            tok = tl.load(fed_ptr + (-tok - 1)).to(tl.int64)
+    for c0 in range(0, D, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        mask = c < D
+        tl.store(out_ptr + t * D + c, tl.load(w_ptr + tok * D + c, mask=mask), mask=mask)
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor, fed: torch.Tensor | None) -> torch.Tensor:
+    """ids (T,) int32/int64, weight (V, D) contiguous, fed (R,) int64 or None -> (T, D)."""
+    T = ids.shape[0]
+    D = weight.shape[1]
+    out = torch.empty((T, D), dtype=weight.dtype, device=weight.device)
+    if T:
+        block = min(triton.next_power_of_2(D), 2048)
+        _embed_kernel[(T,)](ids, ids if fed is None else fed, weight, out, D=D, BLOCK=block,
+                            HAS_FED=fed is not None)
+    return out
 
 
 @triton.jit

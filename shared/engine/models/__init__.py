@@ -15,7 +15,8 @@ from shared.engine.ops import Ops
 
 class CausalLM(Protocol):
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
+        fed: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -19,6 +19,8 @@ from shared.engine.ops import Ops, TorchOps, apply_rotary, rms_norm
 
 __all__ = ["Llama", "LayerWeights", "apply_rotary", "rms_norm", "rotary_tables"]
 
+FUSED_MAX_HIDDEN = 2048  # hidden sizes up to this take the fused GEMV forward at T <= ops.gemv_rows
+
 
 @dataclass(frozen=True)
 class LayerWeights:
@@ -65,6 +67,9 @@ class Llama:
                 gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                 down=w(p + "mlp.down_proj.weight"),
             ))
+        # The fused small-batch path pays off where launches dominate (SmolLM2: ~300 kernels a step); at the
+        # 8B's size its Triton GEMVs read slower than cuBLAS (H200: 151 vs 220 tok/s at batch 1), so not there.
+        self.fused_rows = self.ops.gemv_rows if config.hidden_size <= FUSED_MAX_HIDDEN else 0
         self.rope = rotary_tables(config.head_dim, config.max_position, config.rope_theta, device)
         self.scale = config.head_dim**-0.5
 
@@ -73,13 +78,17 @@ class Llama:
         return CacheSpec(PagedSpec(c.num_layers, c.num_kv_heads, c.head_dim, block_tokens, dtype), 0)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
+        fed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions (T,) -> hidden states (T, D) before the final norm."""
+        """input_ids, positions (T,) -> hidden states (T, D) before the final norm. An id -(r + 1) is a
+        placeholder for fed[r] (a token sampled by the previous step, still on the device)."""
         c, ops = self.config, self.ops
         T = input_ids.shape[0]
         heads = (c.num_heads, c.num_kv_heads, c.head_dim)
-        x = self.embed[input_ids]  # (T, D) the residual stream
+        x = ops.embed(input_ids, self.embed, fed)  # (T, D) the residual stream
+        if T <= self.fused_rows:
+            return self._forward_fused(x, positions, meta, kv)
         h, x = ops.rms_norm(x, None, self.layers[0].attn_norm, c.rms_eps)
         for i, layer in enumerate(self.layers):
             q = ops.rope_write(F.linear(h, layer.qkv), positions, self.rope, kv, i, meta, heads)  # (T, H, hd)
@@ -90,6 +99,22 @@ class Llama:
                 h, x = ops.rms_norm(x, down, self.layers[i + 1].attn_norm, c.rms_eps)  # x += down; next norm
             else:
                 x = x + down
+        return x
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+                       ) -> torch.Tensor:
+        """The same layers for a few rows (batch-1..8 decode): each norm rides in the next linear layer's
+        prologue, each residual add in the epilogue of the one before, SwiGLU in gate_up's: 4 GEMVs and the
+        attention kernels per layer, nothing else."""
+        c, ops = self.config, self.ops
+        T, eps = x.shape[0], c.rms_eps
+        heads = (c.num_heads, c.num_kv_heads, c.head_dim)
+        for i, layer in enumerate(self.layers):
+            qkv = ops.norm_linear(x, layer.attn_norm, eps, layer.qkv)  # (T, (H + 2 KV) hd)
+            q = ops.rope_write(qkv, positions, self.rope, kv, i, meta, heads)  # (T, H, hd)
+            o = ops.attention(q, kv, i, meta, self.scale)  # (T, H, hd)
+            x = ops.linear_residual(o.reshape(T, -1), layer.o, x)  # x += o Wo^T
+            x = ops.linear_residual(ops.norm_swiglu(x, layer.mlp_norm, eps, layer.gate_up), layer.down, x)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
