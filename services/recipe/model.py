@@ -1,11 +1,13 @@
-"""One served model as the codec sees it: its tokenizer, context length and chat template; conversation -> ids."""
+"""One served model as the codec sees it: name, prompt format, tokenizer (and its detokenizing table), context
+length and chat template."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.recipe.apis.base import ChatRequest
-from services.recipe.chat_template import ChatTemplate, TemplateError
+from services.recipe.chat_template import ChatTemplate
+from services.recipe.convert.options import Encoding
+from services.recipe.parse.detok import TokenTable
 from shared.model_info import ModelInfo, load_model_info
 from shared.models import resolve
 from shared.tokenizer import Tokenizer, load_tokenizer
@@ -15,11 +17,17 @@ from shared.tokenizer import Tokenizer, load_tokenizer
 class ServedModel:
     info: ModelInfo
     tokenizer: Tokenizer
+    tokens: TokenTable
     template: ChatTemplate | None
+    encoding: Encoding
 
     @property
     def name(self) -> str:
         return self.info.name
+
+    @property
+    def context_length(self) -> int:
+        return self.info.context_length
 
     @classmethod
     def load(cls, spec: str) -> ServedModel:
@@ -31,14 +39,10 @@ class ServedModel:
         template = None
         if info.chat_template:
             template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
-        return cls(info, load_tokenizer(files), template)
+        tokenizer = load_tokenizer(files)
+        # DeepSeek-V4 checkpoints speak the V4 prompt format; every other model its own chat template.
+        encoding: Encoding = "v4" if info.architecture.startswith("deepseek_v4") else "chat_template"
+        return cls(info, tokenizer, TokenTable.from_tokenizer(tokenizer), template, encoding)
 
-    def render(self, req: ChatRequest) -> str:
-        if req.prompt is not None:
-            return req.prompt
-        if self.template is None:
-            raise TemplateError(f"model {self.name} has no chat template; use a completions endpoint")
-        return self.template.render(req.messages, add_generation_prompt=True, continue_final_message=req.continue_final)
-
-    def prompt_ids(self, req: ChatRequest) -> list[int]:
-        return self.tokenizer.encode(self.render(req))
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))

@@ -21,13 +21,17 @@ from collections.abc import Sequence
 import orjson
 from nats.aio.subscription import Subscription
 
-from services.recipe.apis import APIS, Api, ApiError, ChatRequest, openai_error
-from services.recipe.chat_template import TemplateError
-from services.recipe.flight import Flight, Output
+from services.recipe.apis.errors import ApiError, openai_error
+from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
+from services.recipe.convert.limits import resolve_max_tokens
+from services.recipe.emit.processor import OutputProcessor
+from services.recipe.flight import Flight, Output, error_for
+from services.recipe.formats import render
 from services.recipe.model import ServedModel
+from services.recipe.prepared import PreparedRequest
 from shared import subjects
 from shared.bus import Bus, Envelope
-from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
+from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel, GenerateRequest, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 10.0  # see _emit
 
 SEED_BITS = 63  # drawn seeds fit a signed int64 everywhere they travel
+RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "messages": "msg_", "responses": "resp_"}
 
 
 def _refuse(error: ApiError) -> PrepareReply:
@@ -53,9 +58,11 @@ class RecipeService:
         self._ttl_s = ttl_s
         self._stop_grace_s = stop_grace_s
         self._models: dict[str, ServedModel] = {}
+        self._options = ConvertOptions(models={})  # the served models' names and formats, once loaded
         self._flights: dict[str, Flight] = {}
         self._token_subs: dict[str, Subscription] = {}
         self._prepare_sub: Subscription | None = None
+        self._count_sub: Subscription | None = None
         self._cancel_sub: Subscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -69,10 +76,14 @@ class RecipeService:
         self._status = f"loading {', '.join(self._specs)}"
         models = await asyncio.gather(*(asyncio.to_thread(ServedModel.load, s) for s in self._specs))
         self._models = {m.name: m for m in models}
+        self._options = ConvertOptions(models={m.name: m.encoding for m in models})
         await bus.ensure_work_stream()  # submits must not fail while no balancer has created it yet
         self._cancel_sub = await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         self._prepare_sub = await bus.serve(
             subjects.RECIPE_PREPARE, PrepareRequest, self.prepare, queue=subjects.RECIPE_GROUP
+        )
+        self._count_sub = await bus.serve(
+            subjects.RECIPE_COUNT_TOKENS, CountTokensRequest, self.count_tokens, queue=subjects.RECIPE_GROUP
         )
         self._reaper = asyncio.create_task(self._reap())
         self._status = "ready"
@@ -81,13 +92,14 @@ class RecipeService:
     async def stop(self) -> None:
         """Take no new requests, let those in flight finish for a grace period, then fail the rest."""
         self._status = "stopping"
-        if self._prepare_sub is not None:
-            await _unsubscribe(self._prepare_sub)
+        for sub in (self._prepare_sub, self._count_sub):
+            if sub is not None:
+                await _unsubscribe(sub)
         deadline = time.monotonic() + self._stop_grace_s
         while self._flights and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for flight in list(self._flights.values()):
-            await self._emit(flight, flight.fail(flight.api.error(503, "the service is restarting"), "shutdown"))
+            await self._emit(flight, flight.fail(503, "the service is restarting", "shutdown"))
         if self._reaper is not None:
             self._reaper.cancel()
         if self._cancel_sub is not None:
@@ -102,70 +114,62 @@ class RecipeService:
     # --- prepare: API request -> GenerateRequest -----------------------------------------------------------
 
     async def prepare(self, req: PrepareRequest) -> PrepareReply:
-        api = APIS.get(req.api)
-        if api is None:
+        if req.api not in APIS:
             return _refuse(openai_error(404, f"API {req.api!r} is not supported", code="unsupported_api"))
         if req.request_id in self._flights:
-            return _refuse(api.error(409, f"request id {req.request_id} is already in flight"))
+            return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
         try:
-            chat, model = self._parse(api, req.body)
-            prompt_ids = await asyncio.to_thread(self._encode, api, model, chat)
-            max_tokens = self._max_tokens(api, model, chat, len(prompt_ids))
-        except ApiError as err:
-            return _refuse(err)
+            prepared, model, prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, req.api, req.body)
+        except ConversionError as exc:
+            return _refuse(api_error(req.api, exc))
         except Exception:  # a codec bug: the client still gets an answer in its API's format, not a timeout
             log.exception("%s: prepare failed", req.request_id)
-            return _refuse(api.error(500, "internal error while preparing the request"))
-        return await self._launch(req, api, chat, model, prompt_ids, max_tokens)
+            return _refuse(error_for(req.api, 500, "internal error while preparing the request"))
+        return await self._launch(req, prepared, model, prompt_ids, max_tokens)
 
-    def _parse(self, api: Api, body: bytes) -> tuple[ChatRequest, ServedModel]:
+    def _prepare(self, api: str, body: bytes) -> tuple[PreparedRequest, ServedModel, list[int], int]:
+        """Convert, render, encode, size: everything the reference checks, in its order. Off the event loop."""
+        prepared = convert(api, body, self._options)
+        model = self._models[prepared.model]  # the options name only served models
+        _, prompt_ids = render(prepared, model)
+        if prompt_ids is None:
+            raise ConversionError(f"model {model.name} has no tokenizer for its prompt format", 400)
+        return prepared, model, prompt_ids, resolve_max_tokens(prepared, len(prompt_ids), model.context_length)
+
+    async def count_tokens(self, req: CountTokensRequest) -> CountTokensReply:
+        """/v1/messages/count_tokens: the prompt size of a Messages request (which needs no max_tokens here)."""
         try:
-            data = orjson.loads(body)
+            body = orjson.loads(req.body)
+            if isinstance(body, dict):
+                body.setdefault("max_tokens", 1)
+            prepared, _, prompt_ids, _ = await asyncio.to_thread(self._prepare, req.api, orjson.dumps(body))
         except orjson.JSONDecodeError as exc:
-            raise api.error(400, f"the request body is not valid JSON: {exc}") from None
-        chat = api.parse(data)
-        model = self._models.get(chat.model)
-        if model is None:
-            raise api.model_not_found(chat.model)
-        return chat, model
-
-    @staticmethod
-    def _encode(api: Api, model: ServedModel, chat: ChatRequest) -> list[int]:
-        try:
-            return model.prompt_ids(chat)
-        except TemplateError as exc:
-            raise api.error(400, str(exc), "messages") from None
-
-    @staticmethod
-    def _max_tokens(api: Api, model: ServedModel, chat: ChatRequest, prompt_tokens: int) -> int:
-        """The client's max_tokens, or the rest of the context; refused when it does not fit."""
-        context = model.info.context_length
-        room = context - prompt_tokens
-        if chat.max_tokens is None:
-            if room < 1:
-                raise api.too_long(prompt_tokens, None, context)
-            return room
-        if chat.max_tokens > room:
-            raise api.too_long(prompt_tokens, chat.max_tokens, context)
-        return chat.max_tokens
+            return CountTokensReply(400, api_error(req.api, ConversionError(f"invalid JSON request: {exc}")).body)
+        except ConversionError as exc:
+            return CountTokensReply(exc.status, api_error(req.api, exc).body)
+        return CountTokensReply(200, orjson.dumps({"input_tokens": len(prompt_ids)}))
 
     async def _launch(
-        self, req: PrepareRequest, api: Api, chat: ChatRequest, model: ServedModel, prompt_ids: list[int],
+        self, req: PrepareRequest, prepared: PreparedRequest, model: ServedModel, prompt_ids: list[int],
         max_tokens: int,
     ) -> PrepareReply:
         assert self._bus is not None
         rid = req.request_id
-        seed = chat.seed if chat.seed is not None else secrets.randbits(SEED_BITS)
-        stop_ids = model.tokenizer.eos_ids
+        inference = prepared.inference
+        seed = inference.seed if inference.seed is not None else secrets.randbits(SEED_BITS)
         sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k, seed=seed,
-            stop_token_ids=sorted(stop_ids),
+            max_tokens=max_tokens,
+            temperature=1.0 if inference.temperature is None else inference.temperature,
+            top_p=1.0 if inference.top_p is None else inference.top_p,
+            top_k=inference.top_k or 0,
+            seed=seed,
+            stop_token_ids=sorted(model.tokenizer.eos_ids),
         )
-        now = time.monotonic()
-        self._flights[rid] = Flight(
-            rid, api, chat, api.writer(rid, chat, int(time.time())), model.tokenizer,
-            prompt_tokens=len(prompt_ids), max_tokens=max_tokens, stop_ids=stop_ids, now=now,
+        processor = OutputProcessor(
+            prepared, response_id=f"{RESPONSE_ID_PREFIX[prepared.api]}{rid}", tokens=model.tokens,
+            count_tokens=model.count_tokens,
         )
+        self._flights[rid] = Flight(rid, prepared, processor, time.monotonic())
         # Subscribe before submitting: the first token can come back before this reply does.
         self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
         generate = GenerateRequest(rid, model.name, prompt_ids, sampling, cache_salt=req.tenant, arrival=time.time())
@@ -174,15 +178,15 @@ class RecipeService:
         except Exception as exc:  # JetStream unavailable: nothing was queued, nothing to cancel
             log.warning("%s: submit failed: %s", rid, exc)
             self._drop(rid)
-            return _refuse(api.error(503, "the model is not available right now, try again"))
+            return _refuse(error_for(prepared.api, 503, "the model is not available right now, try again"))
         if rid not in self._flights:  # cancelled while being submitted: the workers must drop it too
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason="cancelled"))
         log.info(
             "%s %s model=%s prompt=%d max_tokens=%d seed=%d temperature=%g top_p=%g top_k=%d stream=%s",
-            rid, api.name, model.name, len(prompt_ids), max_tokens, seed, chat.temperature, chat.top_p, chat.top_k,
-            chat.stream,
+            rid, prepared.api, model.name, len(prompt_ids), max_tokens, seed, sampling.temperature,
+            sampling.top_p, sampling.top_k, prepared.stream,
         )
-        return PrepareReply(ok=True, stream=chat.stream, prompt_tokens=len(prompt_ids))
+        return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids))
 
     # --- the output side -----------------------------------------------------------------------------------
 
@@ -194,7 +198,7 @@ class RecipeService:
             out = flight.on_event(ev, time.monotonic())
         except Exception:  # a codec bug must still end the client's request
             log.exception("%s: formatting failed", ev.request_id)
-            out = flight.fail(flight.api.error(500, "internal error while formatting the response"), "error")
+            out = flight.fail(500, "internal error while formatting the response", "error")
         if out is not None:
             await self._emit(flight, out)
 
@@ -235,8 +239,7 @@ class RecipeService:
             cutoff = time.monotonic() - self._ttl_s
             for flight in [f for f in self._flights.values() if f.last_seen < cutoff]:
                 log.warning("%s: no tokens for %.0f s, expiring", flight.request_id, self._ttl_s)
-                error = flight.api.error(504, "timed out waiting for the model")
-                await self._emit(flight, flight.fail(error, "timeout"))
+                await self._emit(flight, flight.fail(504, "timed out waiting for the model", "timeout"))
 
 
 async def _unsubscribe(sub: Subscription) -> None:

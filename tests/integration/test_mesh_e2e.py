@@ -122,7 +122,8 @@ def test_bad_chat_requests_get_openai_errors(mesh: Mesh, body: bytes) -> None:
 
 
 def test_bad_messages_requests_get_anthropic_errors(mesh: Mesh) -> None:
-    for body in (b"{oops", b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}]}'):
+    bad_max_tokens = b'{"model": "SmolLM2-135M-Instruct", "max_tokens": "x", "messages": [{"role": "user", "content": "x"}]}'
+    for body in (b"{oops", bad_max_tokens):
         status, payload = asyncio.run(_post(f"{mesh.base_url}/v1/messages", body))
         assert 400 <= status < 500
         assert payload["type"] == "error" and payload["error"]["message"]

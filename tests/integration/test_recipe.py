@@ -130,11 +130,12 @@ async def test_openai_stream_out_of_order_with_usage(mesh: Mesh) -> None:
     chunks = [orjson.loads(f.removeprefix(b"data: ")) for f in frames[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "The capital of France is Paris. 🇫🇷"
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[-1]["usage"] == {
-        "prompt_tokens": len(expected_prompt), "completion_tokens": len(ids),
-        "total_tokens": len(expected_prompt) + len(ids), "prompt_tokens_details": {"cached_tokens": 16},
-    }
+    # DeepSeek's way (the reference's): the last chunk carries both the finish reason and the usage.
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens"] == len(expected_prompt) and usage["completion_tokens"] == len(ids)
+    assert usage["total_tokens"] == len(expected_prompt) + len(ids)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 16} and usage["prompt_cache_hit_tokens"] == 16
     assert mesh.cancels.empty()  # the engine finished by itself: nothing to cancel
     assert mesh.recipe.health() == (True, "0 in flight")
 
@@ -160,12 +161,14 @@ async def test_anthropic_stop_sequence_cancels_the_workers(mesh: Mesh) -> None:
 @pytest.mark.parametrize(
     ("api", "body", "status", "error_type"),
     [
-        ("chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "invalid_request_error"),
-        ("messages", {"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 404,
-         "not_found_error"),
+        # deepseek-recipe's answer to an unknown model: 400, naming the served ones
+        ("chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error"),
+        ("messages", {"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 400,
+         "invalid_request_error"),
         ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}, 400,
          "invalid_request_error"),
-        ("messages", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error"),
+        ("messages", {"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400,
+         "invalid_request_error"),
         ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400,
          "invalid_request_error"),
     ],

@@ -1,4 +1,4 @@
-"""The recipe's text pieces: chat template rendering, incremental detokenization, stop strings."""
+"""The recipe's text pieces for chat-template models: template rendering, incremental detokenization."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import random
 import pytest
 
 from services.recipe.chat_template import ChatTemplate, TemplateError
-from services.recipe.detokenize import IncrementalDetokenizer
-from services.recipe.stops import StopMatcher
+from services.recipe.parse.detok import TokenPieces, TokenTable
 from shared.model_info import load_model_info
 from shared.models import resolve
 from shared.tokenizer import Tokenizer, load_tokenizer
@@ -85,7 +84,7 @@ def test_sandbox_refuses_unsafe_access() -> None:
         template.render([{"role": "user", "content": "x"}])
 
 
-# --- detokenizer ---------------------------------------------------------------------------------------------
+# --- detokenizer (parse/detok.py, as chat-template models use it) ----------------------------------------------
 
 
 def _splits_a_character(smol: Tokenizer, ids: list[int]) -> bool:
@@ -96,67 +95,37 @@ def _splits_a_character(smol: Tokenizer, ids: list[int]) -> bool:
     return False
 
 
+@pytest.fixture(scope="module")
+def smol_table(smol: Tokenizer) -> TokenTable:
+    return TokenTable.from_tokenizer(smol)
+
+
+def _text(pieces: list) -> str:
+    return "".join(p if isinstance(p, str) else p[1] for p in pieces)
+
+
 @pytest.mark.parametrize("text", ["🙂👍🏽 family: 👨‍👩‍👧", "你好，世界！日本語のテキスト", "mixed é ß Ω 𝄞 ∮ ⟨ψ⟩ ꙮ 123"])
-def test_detokenizer_never_emits_half_a_character(smol: Tokenizer, text: str) -> None:
+def test_detokenizer_never_emits_half_a_character(smol: Tokenizer, smol_table: TokenTable, text: str) -> None:
     ids = smol.encode(text)
     assert _splits_a_character(smol, ids)  # the case under test: characters spread over several tokens
-    detok = IncrementalDetokenizer(smol)
-    pieces = [detok.feed(i) for i in ids] + [detok.flush()]
+    detok = TokenPieces(smol_table, skip_special=True)
+    pieces = [_text(detok.feed([i])) for i in ids] + [_text(detok.flush())]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == smol.decode(ids) == text
 
 
-def test_detokenizer_skips_special_tokens_and_flushes_broken_tail(smol: Tokenizer) -> None:
+def test_detokenizer_skips_special_tokens_and_flushes_broken_tail(smol: Tokenizer, smol_table: TokenTable) -> None:
     ids = smol.encode("<|im_start|>Hi 🙂<|im_end|>")
-    detok = IncrementalDetokenizer(smol)
-    assert "".join(detok.feed(i) for i in ids) + detok.flush() == "Hi 🙂"
+    detok = TokenPieces(smol_table, skip_special=True)
+    assert "".join(_text(detok.feed([i])) for i in ids) + _text(detok.flush()) == "Hi 🙂"
     emoji = smol.encode("🙂")
-    detok = IncrementalDetokenizer(smol)
-    assert detok.feed(emoji[0]) == ""
-    assert detok.flush() == "\ufffd"  # generation ended mid-character, as a full decode shows it
+    detok = TokenPieces(smol_table, skip_special=True)
+    assert _text(detok.feed(emoji[:1])) == ""
+    assert _text(detok.flush()) == "\ufffd"  # generation ended mid-character, as a full decode shows it
 
 
-def test_detokenizer_matches_full_decode_on_random_tokens(smol: Tokenizer) -> None:
+def test_detokenizer_matches_full_decode_on_random_tokens(smol: Tokenizer, smol_table: TokenTable) -> None:
     rng = random.Random(7)
     ids = [rng.randrange(17, smol.vocab_size) for _ in range(400)]
-    detok = IncrementalDetokenizer(smol)
-    assert "".join(detok.feed(i) for i in ids) + detok.flush() == smol.decode(ids)
-
-
-# --- stop strings --------------------------------------------------------------------------------------------
-
-
-def _run(stops: list[str], pieces: list[str]) -> tuple[str, str | None, list[str]]:
-    m = StopMatcher(stops)
-    out = [m.feed(p) for p in pieces]
-    tail = m.flush() if m.hit is None else ""
-    return "".join(out) + tail, m.hit, out
-
-
-def test_stop_string_across_pieces_is_held_then_cut() -> None:
-    text, hit, out = _run(["</answer>"], ["The answer is 4.</", "ans", "wer> and more"])
-    assert (text, hit) == ("The answer is 4.", "</answer>")
-    assert out[0] == "The answer is 4." and out[1] == ""  # "</" and "</ans" were held back
-
-
-def test_held_text_that_is_not_a_stop_is_released() -> None:
-    text, hit, out = _run(["STOP"], ["a ST", "ep ", "S"])
-    assert (text, hit) == ("a STep S", None)
-    assert out == ["a ", "STep ", ""]
-
-
-def test_earliest_of_several_stop_strings_wins() -> None:
-    assert _run(["world", "lo w"], ["hel", "lo world"])[:2] == ("hel", "lo w")
-    assert _run(["\n\n", "User:"], ["line one\n", "\nUser: x"])[:2] == ("line one", "\n\n")
-
-
-def test_stop_strings_over_token_boundaries(smol: Tokenizer) -> None:
-    ids = smol.encode("Sure. Observation: done")
-    detok = IncrementalDetokenizer(smol)
-    text, hit, _ = _run(["Observation:"], [detok.feed(i) for i in ids])
-    assert (text, hit) == ("Sure. ", "Observation:")
-
-
-def test_no_stop_strings_passes_everything_through() -> None:
-    assert _run([], ["a", "b"]) == ("ab", None, ["a", "b"])
-    assert _run([""], ["a"])[:2] == ("a", None)
+    detok = TokenPieces(smol_table, skip_special=True)
+    assert "".join(_text(detok.feed([i])) for i in ids) + _text(detok.flush()) == smol.decode(ids)
