@@ -72,6 +72,30 @@ def test_anthropic_sdk_streaming_and_not(mesh: Mesh) -> None:
     assert streamed == message.content[0].text
 
 
+def test_responses_and_completions_over_openai_sdk(oai: openai.OpenAI) -> None:
+    response = oai.responses.create(
+        model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=20
+    )
+    assert "Paris" in response.output_text
+    assert response.usage.input_tokens > 10 and 0 < response.usage.output_tokens <= 20
+    streamed = oai.responses.create(
+        model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=20, stream=True
+    )
+    deltas = [e.delta for e in streamed if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == response.output_text
+    completion = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert "Paris" in completion.choices[0].text
+
+
+def test_anthropic_count_tokens_matches_usage(mesh: Mesh) -> None:
+    client = anthropic.Anthropic(base_url=mesh.base_url, api_key="test-key", max_retries=0, timeout=120)
+    counted = client.messages.count_tokens(model=MODEL, messages=FRANCE)
+    used = client.messages.create(model=MODEL, max_tokens=1, messages=FRANCE)
+    assert counted.input_tokens == used.usage.input_tokens + (used.usage.cache_read_input_tokens or 0)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.count_tokens(model="nope", messages=FRANCE)
+
+
 def test_eight_concurrent_requests(oai: openai.OpenAI) -> None:
     questions = [f"What is {a} plus {a}?" for a in range(1, 9)]
 
