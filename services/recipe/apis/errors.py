@@ -13,16 +13,6 @@ class ApiError(Exception):
         self.message = message
 
 
-class Invalid(ValueError):
-    """Bad input found by API-neutral validation; the API turns it into its own 4xx error."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-
-
 def openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(status, openai_error_body(status, message, param=param, code=code), message)
 
