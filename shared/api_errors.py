@@ -38,3 +38,9 @@ def openai_error_body(status: int, message: str, *, param: str | None = None, co
 def anthropic_error_body(status: int, message: str) -> bytes:
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def sse_error_frame(body: bytes, *, named: bool) -> bytes:
+    """An error body as the last frame of a stream whose HTTP status is already sent. Anthropic Messages and
+    OpenAI Responses streams name their events (`event: error`); Chat and Completions streams send bare data."""
+    return (b"event: error\n" if named else b"") + b"data: " + body + b"\n\n"

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from shared.api_errors import anthropic_error_body, openai_error_body
+from shared.api_errors import anthropic_error_body, openai_error_body, sse_error_frame
 
 
 class ApiError(Exception):
@@ -38,7 +38,7 @@ class OpenAIErrors:
         return openai_error_body(error.status, error.message, code=error.code)
 
     def frame(self, body: bytes) -> bytes:
-        return b"data: " + body + b"\n\n"
+        return sse_error_frame(body, named=False)
 
 
 class AnthropicErrors:
@@ -46,7 +46,7 @@ class AnthropicErrors:
         return anthropic_error_body(error.status, error.message)
 
     def frame(self, body: bytes) -> bytes:
-        return b"event: error\ndata: " + body + b"\n\n"
+        return sse_error_frame(body, named=True)
 
 
 OPENAI = OpenAIErrors()

@@ -25,7 +25,8 @@ from typing import IO, Any
 
 import orjson
 
-ID_PREFIXES = {"chat": "chatcmpl-", "messages": "msg_", "responses": "resp_", "completions": "cmpl-"}
+from services.recipe.prepared import RESPONSE_ID_PREFIXES
+
 FINISH_REASONS = ("stop", "length", "content_filter")
 
 
@@ -37,16 +38,15 @@ class BadInput(Exception):
 
 def _args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.recipe parse", description=__doc__.split("\n")[0])
-    parser.add_argument("--api", required=True, choices=sorted(ID_PREFIXES))
+    parser.add_argument("--api", required=True, choices=sorted(RESPONSE_ID_PREFIXES))
     parser.add_argument("--encoding", required=True, help="v4 | v41 | a model spec (chat template)")
     return parser.parse_args(argv)
 
 
 def _error_body(api: str, status: int, message: str) -> bytes:
-    from services.recipe.apis.errors import anthropic_error, openai_error
+    from services.recipe.apis.errors import error_for
 
-    error = anthropic_error(status, message) if api == "messages" else openai_error(status, message)
-    return error.body
+    return error_for(api, status, message).body
 
 
 def _read(stdin: IO[bytes]) -> dict[str, Any]:
@@ -134,7 +134,7 @@ def run(api: str, encoding: str, data: dict[str, Any]) -> bytes:
     ids = data.get("output_ids")
     table = TokenTable.from_tokenizer(model.tokenizer()) if ids is not None else None
     count: Callable[[str], int] = model.count_tokens
-    processor = OutputProcessor(prepared, response_id=ID_PREFIXES[api] + uuid.uuid4().hex, tokens=table,
+    processor = OutputProcessor(prepared, response_id=RESPONSE_ID_PREFIXES[api] + uuid.uuid4().hex, tokens=table,
                                 count_tokens=count)
     processor.push(Ready(prompt, data.get("cached_tokens", 0)))
     if ids is not None:

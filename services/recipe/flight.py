@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.recipe.apis.errors import ApiError, anthropic_error, openai_error
+from services.recipe.apis.errors import error_for
 from services.recipe.emit.processor import End, OutputProcessor, Ready, Tokens
 from services.recipe.prepared import PreparedRequest
+from shared.api_errors import sse_error_frame
 from shared.schemas.generate import TokenEvent
 
 ENGINE_FINISH = ("stop", "length")
@@ -86,15 +87,7 @@ class Flight:
         """End with an error; the gateway writes it as the API's error response (or last SSE frame)."""
         self._processor.done = True
         error = error_for(self.prepared.api, status, message)
-        frames = [error_frame(self.prepared.api, error.body)] if self.prepared.stream else []
+        named = self.prepared.api in ("messages", "responses")
+        frames = [sse_error_frame(error.body, named=named)] if self.prepared.stream else []
         return Output(frames, done=True, status=error.status, body=error.body, cancel=cancel)
 
-
-def error_frame(api: str, body: bytes) -> bytes:
-    """An error as the last SSE frame of a stream that already started (its HTTP status is already sent)."""
-    return (b"event: error\n" if api in ("messages", "responses") else b"") + b"data: " + body + b"\n\n"
-
-
-def error_for(api: str, status: int, message: str) -> ApiError:
-    """An error in the API's own format: Anthropic's for Messages, OpenAI's for the rest."""
-    return anthropic_error(status, message) if api == "messages" else openai_error(status, message)

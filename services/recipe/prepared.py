@@ -15,6 +15,9 @@ from typing import Any, Literal
 Api = Literal["chat", "completions", "responses", "messages"]
 ThinkingStage = Literal["reasoning_start", "reasoning_continuation", "content_continuation"]
 
+# The id a client sees is this prefix + the request id (Responses items derive theirs from it).
+RESPONSE_ID_PREFIXES: dict[str, str] = {"chat": "chatcmpl-", "completions": "cmpl-", "messages": "msg_", "responses": "resp_"}
+
 
 @dataclass(frozen=True)
 class ToolSpec:

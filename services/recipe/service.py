@@ -21,14 +21,14 @@ from collections.abc import Sequence
 import orjson
 from nats.aio.subscription import Subscription
 
-from services.recipe.apis.errors import ApiError, openai_error
+from services.recipe.apis.errors import ApiError, error_for, openai_error
 from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
 from services.recipe.convert.limits import resolve_max_tokens
 from services.recipe.emit.processor import OutputProcessor
-from services.recipe.flight import Flight, Output, error_for
+from services.recipe.flight import Flight, Output
 from services.recipe.formats import render
 from services.recipe.model import ServedModel
-from services.recipe.prepared import PreparedRequest
+from services.recipe.prepared import RESPONSE_ID_PREFIXES, PreparedRequest
 from shared import subjects
 from shared.bus import Bus, Envelope
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 10.0  # see _emit
 
 SEED_BITS = 63  # drawn seeds fit a signed int64 everywhere they travel
-RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "messages": "msg_", "responses": "resp_"}
 
 
 def _refuse(error: ApiError) -> PrepareReply:
@@ -127,7 +126,7 @@ class RecipeService:
             return _refuse(error_for(req.api, 500, "internal error while preparing the request"))
         return await self._launch(req, prepared, model, prompt_ids, max_tokens)
 
-    def _prepare(self, api: str, body: bytes) -> tuple[PreparedRequest, ServedModel, list[int], int]:
+    def _prepare(self, api: str, body: bytes | dict) -> tuple[PreparedRequest, ServedModel, list[int], int]:
         """Convert, render, encode, size: everything the reference checks, in its order. Off the event loop."""
         prepared = convert(api, body, self._options)
         model = self._models[prepared.model]  # the options name only served models
@@ -142,7 +141,7 @@ class RecipeService:
             body = orjson.loads(req.body)
             if isinstance(body, dict):
                 body.setdefault("max_tokens", 1)
-            prepared, _, prompt_ids, _ = await asyncio.to_thread(self._prepare, req.api, orjson.dumps(body))
+            prepared, _, prompt_ids, _ = await asyncio.to_thread(self._prepare, req.api, body)
         except orjson.JSONDecodeError as exc:
             return CountTokensReply(400, api_error(req.api, ConversionError(f"invalid JSON request: {exc}")).body)
         except ConversionError as exc:
@@ -166,7 +165,7 @@ class RecipeService:
             stop_token_ids=sorted(model.tokenizer.eos_ids),
         )
         processor = OutputProcessor(
-            prepared, response_id=f"{RESPONSE_ID_PREFIX[prepared.api]}{rid}", tokens=model.tokens,
+            prepared, response_id=f"{RESPONSE_ID_PREFIXES[prepared.api]}{rid}", tokens=model.tokens,
             count_tokens=model.count_tokens,
         )
         self._flights[rid] = Flight(rid, prepared, processor, time.monotonic())

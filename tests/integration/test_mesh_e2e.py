@@ -9,7 +9,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -160,36 +160,29 @@ def test_prompt_beyond_context_is_a_4xx(oai: openai.OpenAI) -> None:
         )
 
 
-async def _decode_idle(nats_url: str, timeout: float) -> Heartbeat:
-    """Wait for a decode heartbeat that shows nothing running and every KV block free."""
+async def _decode_heartbeat(nats_url: str, wanted: Callable[[Heartbeat], bool], timeout: float) -> Heartbeat:
+    """The first decode heartbeat for which `wanted` holds."""
     bus = await Bus.connect(nats_url, "test-observer")
-    idle: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
+    seen: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
 
     async def on_beat(beat: Heartbeat, _: Envelope) -> None:
-        if beat.role == "decode" and beat.running == 0 and beat.free_blocks == beat.total_blocks:
-            if not idle.done():
-                idle.set_result(beat)
+        if beat.role == "decode" and wanted(beat) and not seen.done():
+            seen.set_result(beat)
 
     await bus.subscribe(subjects.HEARTBEAT, Heartbeat, on_beat)
     try:
-        return await asyncio.wait_for(idle, timeout)
+        return await asyncio.wait_for(seen, timeout)
     finally:
         await bus.drain()
 
 
-async def _decode_busy(nats_url: str, timeout: float) -> Heartbeat:
-    bus = await Bus.connect(nats_url, "test-observer")
-    busy: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
+def _busy(beat: Heartbeat) -> bool:
+    return beat.running > 0
 
-    async def on_beat(beat: Heartbeat, _: Envelope) -> None:
-        if beat.role == "decode" and beat.running > 0 and not busy.done():
-            busy.set_result(beat)
 
-    await bus.subscribe(subjects.HEARTBEAT, Heartbeat, on_beat)
-    try:
-        return await asyncio.wait_for(busy, timeout)
-    finally:
-        await bus.drain()
+def _idle(beat: Heartbeat) -> bool:
+    """Nothing running and every KV block free."""
+    return beat.running == 0 and beat.free_blocks == beat.total_blocks
 
 
 def test_cancelled_stream_frees_kv_blocks(mesh: Mesh) -> None:
@@ -201,7 +194,7 @@ def test_cancelled_stream_frees_kv_blocks(mesh: Mesh) -> None:
             "stream": True,
             "temperature": 0.8,
         }
-        watcher = asyncio.create_task(_decode_busy(mesh.nats_url, 60))
+        watcher = asyncio.create_task(_decode_heartbeat(mesh.nats_url, _busy, 60))
         async with aiohttp.ClientSession() as session:
             async with session.post(f"{mesh.base_url}/v1/chat/completions", json=body) as r:
                 assert r.status == 200
@@ -212,7 +205,7 @@ def test_cancelled_stream_frees_kv_blocks(mesh: Mesh) -> None:
                         break
             busy = await watcher
         # The connection is closed now: the gateway cancels, decode aborts and frees the blocks.
-        idle = await _decode_idle(mesh.nats_url, 30)
+        idle = await _decode_heartbeat(mesh.nats_url, _idle, 30)
         return busy, idle
 
     busy, idle = asyncio.run(scenario())

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import orjson
 
-from services.recipe.apis.errors import ApiError, anthropic_error, openai_error
+from services.recipe.apis.errors import ApiError, error_for
 from services.recipe.convert.options import (
     DEEPSEEK_MODELS,
     DEFAULT_OPTIONS,
@@ -53,9 +53,7 @@ def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT
 
 def api_error(api: str, error: ConversionError) -> ApiError:
     """The refusal in the API's own error format (OpenAI's for chat, completions and responses)."""
-    if api == "messages":
-        return anthropic_error(error.status, error.message)
-    return openai_error(error.status, error.message, code="invalid_request_error")
+    return error_for(api, error.status, error.message, code="invalid_request_error")
 
 
 __all__ = [
