@@ -19,6 +19,7 @@ class SeqSpan:
     q_len: int
     context_len: int  # computed tokens + this chunk
     block_table: torch.Tensor  # (ceil(context_len / block_tokens),) int64, on the cache's device
+    request_id: str = ""  # whose per-request (short-term) state the chunk continues
 
 
 @dataclass(frozen=True)

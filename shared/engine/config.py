@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class ModelConfig:
     tie_embeddings: bool  # lm_head shares the token embedding matrix
     bos_id: int | None
     eos_ids: tuple[int, ...]
+    spec: Any = None  # the architecture's own record where Llama's fields do not say it all (DeepseekV4Spec)
 
     def __post_init__(self) -> None:
         sizes = (self.vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads,

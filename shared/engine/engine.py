@@ -85,18 +85,22 @@ class Engine:
         self.config: ModelConfig = loaded.config
         ops = select_ops(self.device, kernels)
         self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, ops)
-        self.block_tokens = hashing.BLOCK_TOKENS
-        spec = self.model.cache_spec(self.block_tokens, self.dtype)
+        spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
+        self.block_tokens = spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
         self.cache_id = f"{loaded.name}:{loaded.config.arch}:{spec.layout_id()}"
-        assert spec.paged is not None, "every model so far keeps its long-term KV in paged blocks"
-        num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks(spec.paged.bytes_per_block)
-        self.kv = KVCache(spec, num_blocks, self.device)
+        num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks(spec.bytes_per_block)
+        # a model with its own long-term layout (V4) makes its cache; Llama's K/V pages are the default
+        make_cache = getattr(self.model, "make_cache", None)
+        self.kv = make_cache(num_blocks) if make_cache else KVCache(spec, num_blocks, self.device)
         self.block_bytes = self.kv.block_bytes
         self.blocks = BlockManager(num_blocks, self.block_tokens)
-        self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), max_batch_tokens, max_running)
+        self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), max_batch_tokens, max_running,
+                                   resume=lambda seq, restored: self.kv.begin(seq.request_id, restored))
         # A sequence never outgrows the context or the whole cache (it could never be scheduled again).
         self.max_tokens = min(self.config.max_position, num_blocks * self.block_tokens)
-        batched = ops.name == "triton"
+        # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4's torch path
+        # reads its per-sequence state instead
+        batched = ops.name == "triton" and make_cache is None
         graphs = graph_buckets(max_running) if batched and cuda_graphs and self.device.type == "cuda" else ()
         self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
                                   max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=max_running)

@@ -50,17 +50,31 @@ class PagedSpec:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What a model keeps per token (paged, long-term) and per request (short-term)."""
+    """What a model keeps per token (paged, long-term) and per request (short-term).
+
+    `paged` describes Llama's K/V pages; a model with its own long-term layout (DeepSeek-V4's compressed
+    entries) leaves it None and gives its block size in bytes and tokens instead."""
 
     paged: PagedSpec | None
     per_request_state_bytes: int  # sliding-window rings etc.; 0 for Llama
+    block_bytes: int = 0  # when paged is None
+    block_tokens: int = 0  # when paged is None
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.paged.bytes_per_block if self.paged is not None else self.block_bytes
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.paged.block_tokens if self.paged is not None else self.block_tokens
 
     def layout_id(self) -> str:
         """Part of the engine's cache identity: blobs only move between engines with the same layout."""
         p = self.paged
-        paged = "none" if p is None else f"L{p.num_layers}xK{p.num_kv_heads}xD{p.head_dim}xB{p.block_tokens}"
-        dtype = "" if p is None else str(p.dtype).removeprefix("torch.")
-        return f"{paged}:{dtype}:s{self.per_request_state_bytes}"
+        if p is None:
+            return f"blocks{self.block_bytes}xB{self.block_tokens}:s{self.per_request_state_bytes}"
+        paged = f"L{p.num_layers}xK{p.num_kv_heads}xD{p.head_dim}xB{p.block_tokens}"
+        return f"{paged}:{str(p.dtype).removeprefix('torch.')}:s{self.per_request_state_bytes}"
 
 
 class KVCache:
@@ -124,3 +138,8 @@ class KVCache:
 
     def drop_state(self, request_id: str) -> None:
         """Forget a request's short-term state (nothing to forget for Llama)."""
+
+    def begin(self, request_id: str, restored: int) -> int:
+        """A request is admitted with `restored` tokens' KV in its blocks: compute from there (all of Llama's
+        KV is long-term, nothing to rebuild)."""
+        return restored

@@ -64,7 +64,8 @@ class ModelRunner:
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             table = seq.block_table
-            spans.append(SeqSpan(len(ids), n, start + n, self._tensor(table[: -(-(start + n) // self.bt)])))
+            spans.append(SeqSpan(len(ids), n, start + n, self._tensor(table[: -(-(start + n) // self.bt)]),
+                                 seq.request_id))
             ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += (table[p // self.bt] * self.bt + p % self.bt for p in range(start, start + n))

@@ -22,6 +22,7 @@ postprocess() is the two back to back (the synchronous path).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.engine.api import StepOutput
@@ -53,9 +54,13 @@ def _done(seq: Sequence) -> bool:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, ns: bytes, max_batch_tokens: int, max_running: int) -> None:
+    def __init__(self, blocks: BlockManager, ns: bytes, max_batch_tokens: int, max_running: int,
+                 resume: Callable[[Sequence, int], int] | None = None) -> None:
+        """resume(seq, restored): the position to compute from when `restored` tokens' blocks are in place
+        (default: `restored` itself)."""
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be positive")
+        self.resume = resume or (lambda seq, restored: restored)
         self.blocks = blocks
         self.ns = ns  # namespace of the local prefix cache's chained hashes
         self.max_batch_tokens = max_batch_tokens
@@ -198,7 +203,7 @@ class Scheduler:
         """Give a waiting sequence its cached/imported prefix and blocks for a first chunk; 0 if it must wait."""
         # Reuse local blocks only strictly before the last token: its logits have to be computed, and
         # recomputing it must never write into a block that other sequences share.
-        hashes = seq.block_hashes(self.ns, (seq.num_tokens - 1) // self.bt)
+        hashes = seq.block_hashes(self.ns, (seq.num_tokens - 1) // self.bt, self.bt)
         table = self.blocks.match(hashes)
         computed = len(table) * self.bt
         imports: list[tuple[int, bytes]] = []
@@ -210,14 +215,17 @@ class Scheduler:
             imports = list(zip(fresh, seq.prefix_blobs[len(table) :]))
             table += fresh
             computed = min(seq.prefix_tokens, seq.num_tokens - 1)
-        n = min(seq.num_tokens - computed, budget, (len(table) + self.blocks.num_free) * self.bt - computed)
-        if n <= 0 or not self.blocks.grow(table, computed + n):
+        # The model may need to recompute some tokens before `computed` (V4's bounded replay rebuilds the
+        # short-term state that the blocks do not hold); their blocks stay in the table, read-only.
+        start = self.resume(seq, computed)
+        n = min(seq.num_tokens - start, budget, (len(table) + self.blocks.num_free) * self.bt - start)
+        if n <= 0 or not self.blocks.grow(table, start + n):
             self.blocks.free(table)
             return 0
         seq.block_table = table
-        seq.num_computed = computed
+        seq.num_computed = start
         if seq.num_cached is None:
-            seq.num_cached = computed
+            seq.num_cached = start
         seq.prefix_blobs, seq.prefix_tokens = [], 0  # imported now; a preempted sequence recomputes instead
         seq.status = Status.RUNNING
         plan.imports += imports
@@ -261,7 +269,7 @@ class Scheduler:
         """Offer every full, computed block to the local prefix cache."""
         full = seq.num_computed // self.bt
         if full > seq.num_published:
-            hashes = seq.block_hashes(self.ns, full)
+            hashes = seq.block_hashes(self.ns, full, self.bt)
             for i in range(seq.num_published, full):
                 self.blocks.publish(seq.block_table[i], hashes[i])
             seq.num_published = full

@@ -56,9 +56,9 @@ class Sequence:
     def output_position(self) -> int:
         return self.output_offset + self.num_generated
 
-    def block_hashes(self, ns: bytes, num_blocks: int) -> list[bytes]:
-        """Chained hashes of the first `num_blocks` full blocks (cached between calls: the chain only grows)."""
-        bt = hashing.BLOCK_TOKENS
+    def block_hashes(self, ns: bytes, num_blocks: int, bt: int = hashing.BLOCK_TOKENS) -> list[bytes]:
+        """Chained hashes of the first `num_blocks` full blocks of `bt` tokens (cached between calls: the chain
+        only grows; one engine always asks with the same block size)."""
         while len(self.hashes) < num_blocks:
             i = len(self.hashes)
             parent = self.hashes[-1] if self.hashes else ns

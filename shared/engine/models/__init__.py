@@ -9,6 +9,7 @@ import torch
 from shared.engine.attention import AttentionMetadata
 from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import CacheSpec, KVCache
+from shared.engine.models.deepseek_v4 import DeepseekV4
 from shared.engine.models.llama import Llama
 from shared.engine.ops import Ops
 
@@ -24,7 +25,7 @@ class CausalLM(Protocol):
     def cache_spec(self, block_tokens: int, dtype: torch.dtype) -> CacheSpec: ...
 
 
-MODELS: dict[str, type] = {"llama": Llama}
+MODELS: dict[str, type] = {"llama": Llama, "deepseek_v4": DeepseekV4}
 
 
 def build_model(

@@ -1,0 +1,187 @@
+"""DeepSeek-V4's cache, split in two tiers.
+
+Long-term (paged, prefix-cacheable, what the kvcache service stores for days): the compressed entries. A block
+covers `block_tokens` tokens (a multiple of every compress ratio, 128 for the real models) and holds, for every
+compressed layer, the entries of the windows inside it; CSA layers also hold their indexer keys.
+
+    block b of a sequence, layer l with ratio m:   entries[l][table[b], j] = entry of window (b * BT / m + j)
+
+Short-term (per request, a TTL of minutes): what the next token needs besides the entries, as rings indexed by
+position % capacity:
+
+    swa[l]       K = V of the last (window - 1) tokens, every layer
+    comp[l]      raw compressor projections (kv, gate) of the last 2 windows (CSA: entry w mixes windows w-1, w)
+                 or 1 window (HCA): the tokens of a window still open, and the one before it
+    index[l]     the same for the indexer's own compressor (CSA only)
+
+Every ring has `backtrack` spare slots, so up to that many tokens can be taken back (a rejected speculative
+draft, the overlapped scheduler's one-token lag) by moving `length` back: nothing is overwritten that a
+re-computation needs. Which entries a query sees follows from its position alone ((p + 1) // m closed windows),
+so an entry built from a taken-back token is simply never read before it is rebuilt.
+
+Bounded replay. A request that finds its prefix's blocks but not its short-term state recomputes only the last
+`replay_tokens` tokens before the restored prefix end C, with the entries of [0, C) frozen (never rewritten).
+A layer-l key of token p depends on tokens (p - l (W - 1) - ..., p]: the sliding windows of the layers below
+widen the cone by W - 1 tokens per layer, so `num_layers * (window - 1)` tokens rebuild every ring exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.engine.models.deepseek_v4.spec import CSA, DeepseekV4Spec
+
+
+@dataclass
+class RequestState:
+    """One request's short-term state; `length` tokens processed, rings valid for positions >= `begin`."""
+
+    length: int
+    begin: int  # positions before this were never computed here (bounded replay starts here)
+    frozen: int  # entries of windows ending at or before this position are restored: never rewritten
+    swa: list[torch.Tensor]  # per layer (cap_swa, head_dim)
+    comp: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (cap, C) kv, gate; None: sliding layer
+    index: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer; CSA only
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = list(self.swa)
+        for pair in (*self.comp, *self.index):
+            if pair is not None:
+                out += pair
+        return out
+
+
+class V4Cache:
+    def __init__(self, spec: DeepseekV4Spec, num_blocks: int, device: torch.device, dtype: torch.dtype,
+                 backtrack: int = 4) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype
+        self.block_tokens = spec.block_tokens
+        self.backtrack = backtrack
+        self.cap_swa = spec.window - 1 + backtrack
+        # per compressed layer: entries (num_blocks, BT / m, head_dim); CSA: indexer keys too
+        self.entries: list[torch.Tensor | None] = []
+        self.index_keys: list[torch.Tensor | None] = []
+        for kind, m in zip(spec.kinds, spec.ratios):
+            per = self.block_tokens // m if m else 0
+            self.entries.append(torch.zeros(num_blocks, per, spec.head_dim, dtype=dtype, device=device) if m else None)
+            self.index_keys.append(
+                torch.zeros(num_blocks, per, spec.index_head_dim, dtype=dtype, device=device) if kind == CSA else None)
+        self._paged = [t for pair in zip(self.entries, self.index_keys) for t in pair if t is not None]
+        self.states: dict[str, RequestState] = {}
+        self._pending: dict[str, bytes] = {}  # imported short-term state, installed at admission
+
+    # --- sizes ------------------------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(t[0].numel() for t in self._paged) * self.dtype.itemsize
+
+    @property
+    def state_bytes(self) -> int:
+        return 16 + sum(t.numel() for t in self._fresh(0, 0, 0).tensors()) * self.dtype.itemsize
+
+    @property
+    def replay_tokens(self) -> int:
+        return self.spec.num_layers * (self.spec.window - 1)
+
+    def comp_capacity(self, layer: int) -> int:
+        m = self.spec.ratios[layer]
+        return (2 if self.spec.kinds[layer] == CSA else 1) * m + self.backtrack
+
+    # --- the request lifecycle --------------------------------------------------------------------------------
+
+    def begin(self, request_id: str, restored: int) -> int:
+        """A request is admitted with `restored` tokens' blocks in its table (a multiple of block_tokens, or
+        its imported prefix); returns the position to compute from."""
+        blob = self._pending.pop(request_id, None)
+        if blob is not None:
+            state = self._decode(blob)
+            if state.length == restored:
+                self.states[request_id] = state
+                return restored
+        start = max(0, restored - self.replay_tokens) if restored else 0
+        self.states[request_id] = self._fresh(start, start, restored)
+        return start
+
+    def state(self, request_id: str, start: int) -> RequestState:
+        """The state a chunk starting at `start` continues (positions after `start` are taken back)."""
+        state = self.states[request_id]
+        if not state.begin <= start <= state.length or state.length - start > self.backtrack:
+            raise ValueError(f"{request_id}: chunk at {start}, state holds [{state.begin}, {state.length})")
+        state.length = start
+        return state
+
+    def drop_state(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    # --- long-term blocks as bytes ----------------------------------------------------------------------------
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        if not blocks:
+            return []
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        parts = [t.index_select(0, index).flatten(1) for t in self._paged]  # each (n, elems)
+        raw = torch.cat(parts, dim=1).cpu().contiguous().view(torch.uint8).numpy()
+        return [raw[i].tobytes() for i in range(len(blocks))]
+
+    def write_blocks(self, blocks: list[int], blobs: list[bytes]) -> None:
+        assert len(blocks) == len(blobs)
+        if not blocks:
+            return
+        for blob in blobs:
+            if len(blob) != self.block_bytes:
+                raise ValueError(f"KV blob of {len(blob)} bytes, expected {self.block_bytes}")
+        raw = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(self.dtype)
+        data = raw.view(len(blocks), -1).to(self.device)
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        at = 0
+        for t in self._paged:
+            n = t[0].numel()
+            t.index_copy_(0, index, data[:, at : at + n].view(len(blocks), *t.shape[1:]))
+            at += n
+
+    # --- short-term state as bytes ----------------------------------------------------------------------------
+
+    def export_state(self, request_id: str) -> bytes:
+        state = self.states[request_id]
+        header = np.array([state.length, state.begin], dtype=np.int64).tobytes()
+        flat = torch.cat([t.flatten() for t in state.tensors()]).cpu().contiguous()
+        return header + flat.view(torch.uint8).numpy().tobytes()
+
+    def import_state(self, request_id: str, blob: bytes) -> None:
+        if len(blob) != self.state_bytes:
+            raise ValueError(f"per-request state of {len(blob)} bytes, expected {self.state_bytes}")
+        self._pending[request_id] = blob
+
+    def _decode(self, blob: bytes) -> RequestState:
+        length, begin = (int(v) for v in np.frombuffer(blob[:16], dtype=np.int64))
+        state = self._fresh(length, begin, length)
+        flat = torch.frombuffer(bytearray(blob[16:]), dtype=torch.uint8).view(self.dtype).to(self.device)
+        at = 0
+        for t in state.tensors():
+            t.copy_(flat[at : at + t.numel()].view(t.shape))
+            at += t.numel()
+        return state
+
+    def _fresh(self, length: int, begin: int, frozen: int) -> RequestState:
+        s, dev, dt = self.spec, self.device, self.dtype
+
+        def ring(layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+            cap = self.comp_capacity(layer)
+            return torch.zeros(cap, width, dtype=dt, device=dev), torch.zeros(cap, width, dtype=dt, device=dev)
+
+        comp: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        index: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer, kind in enumerate(s.kinds):
+            csa = kind == CSA
+            comp.append(ring(layer, (2 if csa else 1) * s.head_dim) if s.ratios[layer] else None)
+            index.append(ring(layer, 2 * s.index_head_dim) if csa else None)
+        swa = [torch.zeros(self.cap_swa, s.head_dim, dtype=dt, device=dev) for _ in range(s.num_layers)]
+        return RequestState(length, begin, frozen, swa, comp, index)
