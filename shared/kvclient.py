@@ -70,3 +70,9 @@ class KvClient:
 def tail_key(request_id: str) -> bytes:
     """Short-term key of a request's partial last prompt block (never shared, so not a chained hash)."""
     return b"tail:" + request_id.encode()
+
+
+def state_key(request_id: str) -> bytes:
+    """Short-term key of a request's per-request model state at the end of its prompt (V4's sliding-window
+    rings and compressor tails; Llama has none)."""
+    return b"state:" + request_id.encode()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from shared import hashing, subjects
+from shared import subjects
 from shared.bus import Envelope
 from shared.engine.engine import EngineRequest
 from shared.schemas.generate import DecodeJob, TokenEvent
@@ -29,12 +29,15 @@ class DecodeService(EngineWorker):
         req = job.request
         prompt = req.prompt_ids
         blobs = await self.kv.get_run(job.block_hashes)
-        prefix_tokens = len(blobs) * hashing.BLOCK_TOKENS
+        prefix_tokens = len(blobs) * self.engine.engine.block_tokens
         if job.tail_key and len(blobs) == len(job.block_hashes):
             tail = await self.kv.get_run([job.tail_key])
             if tail:
                 blobs += tail
                 prefix_tokens = len(prompt)
+        state = b""
+        if job.state_key and prefix_tokens >= len(prompt):  # V4: rings at the prompt's end (else: bounded replay)
+            state = b"".join(await self.kv.get_run([job.state_key]))
         if prefix_tokens < len(prompt):
             log.info("%s: %d of %d prompt tokens not in the store, recomputing", req.request_id,
                      len(prompt) - prefix_tokens, len(prompt))
@@ -46,6 +49,7 @@ class DecodeService(EngineWorker):
             output_offset=1,
             prefix_blocks=blobs,
             prefix_tokens=prefix_tokens,
+            prefix_state=state,
         )
         index = 1
         finish_reason = None
@@ -59,7 +63,8 @@ class DecodeService(EngineWorker):
                 )
                 index += len(out.token_ids)
         finally:
-            if job.tail_key:
-                await self.bus.publish(subjects.KV_DELETE, KvDelete([job.tail_key]))
+            short_term = [k for k in (job.tail_key, job.state_key) if k]
+            if short_term:
+                await self.bus.publish(subjects.KV_DELETE, KvDelete(short_term))
         if finish_reason is None:
             log.info("%s: aborted after %d tokens", req.request_id, index)

@@ -14,7 +14,7 @@ import time
 from shared import hashing, subjects
 from shared.bus import Envelope
 from shared.engine.engine import EngineRequest
-from shared.kvclient import SHORT_TERM_TTL_S, tail_key
+from shared.kvclient import SHORT_TERM_TTL_S, state_key, tail_key
 from shared.schemas.generate import DecodeJob, PrefillJob, TokenEvent
 from shared.worker import EngineWorker
 
@@ -29,8 +29,8 @@ class PrefillService(EngineWorker):
         assert self.engine is not None and self.kv is not None and self.bus is not None
         req = job.request
         prompt = req.prompt_ids
-        block = hashing.BLOCK_TOKENS
-        hashes = hashing.block_hashes(prompt, hashing.namespace(self.engine.engine.cache_id, req.cache_salt))
+        block = self.engine.engine.block_tokens
+        hashes = hashing.block_hashes(prompt, hashing.namespace(self.engine.engine.cache_id, req.cache_salt), block)
         # The last prompt token is always computed: its logits give the first token.
         usable = min(await self.kv.lookup(hashes), (len(prompt) - 1) // block)
         cached = await self.kv.get_run(hashes[:usable])
@@ -76,6 +76,11 @@ class PrefillService(EngineWorker):
                 tail = tail_key(req.request_id)
                 (tail_blob,) = await self.engine.call(self.engine.engine.export_blocks, req.request_id, full, full + 1)
                 await self.kv.put_many([(tail, tail_blob)], ttl_s=SHORT_TERM_TTL_S)
+            state = b""
+            if self.engine.engine.has_request_state:
+                state = state_key(req.request_id)
+                blob = await self.engine.call(self.engine.engine.export_state, req.request_id)
+                await self.kv.put_many([(state, blob)], ttl_s=SHORT_TERM_TTL_S)
             log.debug("%s: stored %d blocks in %.3fs", req.request_id, full - len(cached), time.monotonic() - started)
         finally:
             await self.engine.call(self.engine.engine.release, req.request_id)
@@ -84,6 +89,7 @@ class PrefillService(EngineWorker):
             first_token=token,
             block_hashes=hashes,
             tail_key=tail,
+            state_key=state,
             cached_tokens=first.num_cached_tokens,
             prefill_worker=self.config.instance,
         )

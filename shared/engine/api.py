@@ -16,6 +16,7 @@ class EngineRequest:
     output_offset: int = 0  # output position of the next generated token (for seeded sampling)
     prefix_blocks: list[bytes] = field(default_factory=list)  # KV of tokens [0, prefix_tokens), one blob per block
     prefix_tokens: int = 0
+    prefix_state: bytes = b""  # per-request model state after prefix_tokens (V4), b"" = rebuild it (replay)
     hold_kv: bool = False  # when finished keep the blocks until release() (prefill exports them)
     stop_token_ids: list[int] | None = None  # None = model's eos ids + sampling.stop_token_ids (unless ignore_eos)
 

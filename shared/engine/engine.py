@@ -86,6 +86,7 @@ class Engine:
         ops = select_ops(self.device, kernels)
         self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, ops)
         spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
+        self.has_request_state = spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
         self.cache_id = f"{loaded.name}:{loaded.config.arch}:{spec.layout_id()}"
         num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks(spec.bytes_per_block)
@@ -113,6 +114,8 @@ class Engine:
 
     def add(self, req: EngineRequest) -> None:
         seq = self._validate(req)
+        if req.prefix_state:
+            self.kv.import_state(req.request_id, req.prefix_state)  # installed at admission if it still fits
         self.scheduler.add(seq)
 
     def step(self) -> list[StepOutput]:
@@ -123,6 +126,9 @@ class Engine:
                 return []
             self._inflight = self._launch() if self.overlap else None
             outputs = self.scheduler.resolve(done.plan, done.result())
+            for out in outputs:
+                if out.finish_reason is not None and out.request_id not in self.scheduler.held:
+                    self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)
 
