@@ -10,6 +10,7 @@ hash table to zeros; `build` draws them at random so every code path is live.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +86,187 @@ def build(path: Path, name: str = "mixed", seed: int = 0, **overrides: Any):
                 buf.copy_(torch.stack(rows))
     model.save_pretrained(path)
     return model
+
+
+# ---- the official hub dialect ---------------------------------------------------------------------------------
+# Written from the transformers modules attribute by attribute, so the names are checked against an account of
+# the mapping that shares nothing with transformers' conversion table or with the loader's inverse of it.
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+FP8_BLOCK = 32  # tiny shapes: 32x32 blocks, so several tensors end in partial blocks (48 rows, 48 or 2 columns)
+FP4_BLOCK = 32  # columns per FP4 scale
+
+
+def hub_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's tensors under the official hub names (no MTP). Expert entries are views of the stacked
+    transformers parameters, so writing into them writes into the model."""
+    m = model.model
+    out = {"embed.weight": m.embed_tokens.weight, "head.weight": model.lm_head.weight, "norm.weight": m.norm.weight,
+           "hc_head_fn": m.hc_head.hc_fn, "hc_head_base": m.hc_head.hc_base, "hc_head_scale": m.hc_head.hc_scale}
+    for i, layer in enumerate(m.layers):
+        out |= _hub_layer(f"layers.{i}", layer)
+    return {name: tensor.detach() for name, tensor in out.items()}
+
+
+def _hub_layer(p: str, layer) -> dict[str, torch.Tensor]:
+    a, f = layer.self_attn, layer.mlp
+    out = {f"{p}.attn_norm.weight": layer.input_layernorm.weight,
+           f"{p}.ffn_norm.weight": layer.post_attention_layernorm.weight}
+    for part, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
+        out |= {f"{p}.hc_{part}_fn": hc.fn, f"{p}.hc_{part}_base": hc.base, f"{p}.hc_{part}_scale": hc.scale}
+    out |= {f"{p}.attn.wq_a.weight": a.q_a_proj.weight, f"{p}.attn.q_norm.weight": a.q_a_norm.weight,
+            f"{p}.attn.wq_b.weight": a.q_b_proj.weight, f"{p}.attn.wkv.weight": a.kv_proj.weight,
+            f"{p}.attn.kv_norm.weight": a.kv_norm.weight, f"{p}.attn.wo_a.weight": a.o_a_proj.weight,
+            f"{p}.attn.wo_b.weight": a.o_b_proj.weight, f"{p}.attn.attn_sink": a.sinks}
+    compressors = [] if a.compressor is None else [("attn.compressor", a.compressor)]
+    indexer = getattr(a.compressor, "indexer", None)  # CSA only
+    if indexer is not None:
+        compressors.append(("attn.indexer.compressor", indexer))
+        out |= {f"{p}.attn.indexer.wq_b.weight": indexer.q_b_proj.weight,
+                f"{p}.attn.indexer.weights_proj.weight": indexer.scorer.weights_proj.weight}
+    for name, c in compressors:
+        out |= {f"{p}.{name}.wkv.weight": c.kv_proj.weight, f"{p}.{name}.wgate.weight": c.gate_proj.weight,
+                f"{p}.{name}.ape": c.position_bias, f"{p}.{name}.norm.weight": c.kv_norm.weight}
+    out[f"{p}.ffn.gate.weight"] = f.gate.weight
+    if f.is_hash:
+        out[f"{p}.ffn.gate.tid2eid"] = f.gate.tid2eid
+    else:
+        out[f"{p}.ffn.gate.bias"] = f.gate.e_score_correction_bias
+    gate_up, down = f.experts.gate_up_proj, f.experts.down_proj  # (E, 2I, D), (E, D, I)
+    inter = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        x = f"{p}.ffn.experts.{e}"
+        out |= {f"{x}.w1.weight": gate_up[e, :inter], f"{x}.w3.weight": gate_up[e, inter:], f"{x}.w2.weight": down[e]}
+    s, x = f.shared_experts, f"{p}.ffn.shared_experts"
+    out |= {f"{x}.w1.weight": s.gate_proj.weight, f"{x}.w2.weight": s.down_proj.weight,
+            f"{x}.w3.weight": s.up_proj.weight}
+    return out
+
+
+def _mtp_tensors(model, seed: int) -> dict[str, torch.Tensor]:
+    """One fake MTP layer of kind CSA (ratio 4): attention tensors shaped like the first CSA layer's, MoE ones like
+    the last layer's (a routed one), plus the MTP projections and head. Values are e2m1 codes / 4, which FP8 and
+    FP4 both hold exactly."""
+    config = model.config
+    csa = config.layer_types.index(C)
+    last = config.num_hidden_layers - 1
+    assert config.mlp_layer_types[last] == "moe"
+    d, hc = config.hidden_size, config.hc_mult
+    shapes = {"e_proj.weight": (d, d), "h_proj.weight": (d, d), "enorm.weight": (d,), "hnorm.weight": (d,),
+              "norm.weight": (d,), "hc_head_fn": (hc, hc * d), "hc_head_base": (hc,), "hc_head_scale": (1,)}
+    for name, tensor in hub_state_dict(model).items():
+        parts = name.split(".", 2)
+        if parts[0] == "layers" and int(parts[1]) == (last if parts[2].startswith("ffn.") else csa):
+            shapes[parts[2]] = tuple(tensor.shape)
+    g = torch.Generator().manual_seed(seed)
+    return {f"mtp.0.{leaf}": E2M1[torch.randint(16, shape, generator=g)] / 4 for leaf, shape in shapes.items()}
+
+
+def quantized_kind(name: str, tensor: torch.Tensor) -> str | None:
+    """What save_hub_dialect(quantize=True) does to a tensor: routed experts FP4, other 2-D linears FP8 (not the
+    embedding, nor the router, which the loader must then pass through untouched)."""
+    if ".ffn.experts." in name:
+        return "fp4"
+    if tensor.dim() == 2 and name.endswith(".weight") and name != "embed.weight" and not name.endswith("gate.weight"):
+        return "fp8"
+    return None
+
+
+def _pow2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """Power-of-two scales (ue8m0-style, as V4 ships): a representable weight then quantizes without loss."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / top)))
+
+
+def fp8_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale per block x block; partial blocks at the ends)."""
+    rows, cols = w.shape
+    grid = (-(-rows // block), -(-cols // block))
+    padded = torch.nn.functional.pad(w.abs(), (0, grid[1] * block - cols, 0, grid[0] * block - rows))
+    scale = _pow2_scale(padded.view(grid[0], block, grid[1], block).amax(dim=(1, 3)), 448.0)
+    q = (w / expand_scale(scale, rows, cols, block, block)).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, two e2m1 codes a byte, low nibble = even column; float8_e8m0fnu scale per FP4_BLOCK columns)."""
+    rows, cols = w.shape
+    scale = _pow2_scale(w.abs().view(rows, cols // FP4_BLOCK, FP4_BLOCK).amax(-1), 6.0)
+    x = w / expand_scale(scale, rows, cols, 1, FP4_BLOCK)
+    codes = (x.unsqueeze(-1) - E2M1).abs().argmin(-1)  # nearest e2m1 value
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def expand_scale(scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
+    return scale.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+
+
+def make_representable(model) -> None:
+    """Round every tensor save_hub_dialect quantizes onto its quantization grid, in place, so that quantizing
+    and dequantizing it again is exact (and the values are exact in bfloat16)."""
+    with torch.no_grad():
+        for name, tensor in hub_state_dict(model).items():
+            kind = quantized_kind(name, tensor)
+            if kind == "fp8":
+                q, scale = fp8_quantize(tensor)
+                tensor.copy_(q.float() * expand_scale(scale, *tensor.shape, FP8_BLOCK, FP8_BLOCK))
+            elif kind == "fp4":
+                packed, scale = fp4_quantize(tensor)
+                codes = packed.view(torch.uint8).long()
+                values = torch.stack((E2M1[codes & 0xF], E2M1[codes >> 4]), dim=-1).flatten(-2)
+                tensor.copy_(values * expand_scale(scale, *tensor.shape, 1, FP4_BLOCK))
+
+
+def save_hub_dialect(model, path: Path, quantize: bool = False) -> dict[str, torch.Tensor]:
+    """Write `model` as DeepSeek's own release spells it: official config keys (compress_ratios with one MTP entry,
+    num_hash_layers, qk_rope_head_dim, rope_scaling) and official tensor names plus a fake MTP layer; with
+    `quantize`, FP8 linears with `.scale` and FP4 routed experts. Two shards, the scales in the second, and an
+    index the loader need not read. Returns the tensors a loader should give back (before quantization)."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    compress = config.rope_parameters["compress"]
+    raw: dict[str, Any] = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "moe_intermediate_size": config.moe_intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": 1, "head_dim": config.head_dim,
+        "q_lora_rank": config.q_lora_rank, "qk_rope_head_dim": int(config.head_dim * config.partial_rotary_factor),
+        "num_experts_per_tok": config.num_experts_per_tok, "n_routed_experts": config.n_routed_experts,
+        "n_shared_experts": config.n_shared_experts, "scoring_func": config.scoring_func,
+        "norm_topk_prob": config.norm_topk_prob, "routed_scaling_factor": config.routed_scaling_factor,
+        "max_position_embeddings": config.max_position_embeddings, "rope_theta": config.rope_theta,
+        "compress_rope_theta": config.compress_rope_theta,
+        "compress_ratios": [0 if t == S else config.compress_rates[t] for t in config.layer_types]
+        + [config.compress_rates[C]],
+        "num_hash_layers": config.mlp_layer_types.count("hash_moe"), "num_nextn_predict_layers": 1,
+        "sliding_window": config.sliding_window, "o_groups": config.o_groups, "o_lora_rank": config.o_lora_rank,
+        "index_n_heads": config.index_n_heads, "index_head_dim": config.index_head_dim,
+        "index_topk": config.index_topk, "hc_mult": config.hc_mult, "hc_sinkhorn_iters": config.hc_sinkhorn_iters,
+        "hc_eps": config.hc_eps, "swiglu_limit": config.swiglu_limit, "rms_norm_eps": config.rms_norm_eps,
+        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "tie_word_embeddings": False,
+    }
+    if compress["rope_type"] == "yarn":
+        yarn_keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+        raw["rope_scaling"] = {"type": "yarn", **{k: compress[k] for k in yarn_keys}}
+    if quantize:
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    truth = {name: t.clone() for name, t in hub_state_dict(model).items()} | _mtp_tensors(model, seed=7)
+    weights, scales = {}, {}
+    for name, tensor in truth.items():
+        kind = quantized_kind(name, tensor) if quantize else None
+        if kind is None:
+            weights[name] = tensor
+            continue
+        weights[name], scales[name.removesuffix(".weight") + ".scale"] = (
+            fp8_quantize(tensor) if kind == "fp8" else fp4_quantize(tensor))
+    shards = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales}
+    for file, tensors in shards.items():
+        if tensors:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / file))
+    index = {"weight_map": {name: file for file, tensors in shards.items() for name in tensors}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return truth

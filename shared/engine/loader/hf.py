@@ -1,20 +1,29 @@
-"""HF checkpoint directories: config.json (LlamaForCausalLM keys) + *.safetensors, names kept as they are."""
+"""HF checkpoint directories: config.json + *.safetensors. Llama loads with its names kept as they are; an
+architecture with its own loader (DeepSeek-V4: its own spec, names and quantization) is handed to it."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from shared.engine.config import ModelConfig
+from shared.engine.loader import deepseek_v4
 
 SUPPORTED = {"LlamaForCausalLM": "llama"}
+ARCH_LOADERS: dict[str, Callable[[Path], tuple[ModelConfig, dict[str, torch.Tensor]]]] = {
+    deepseek_v4.ARCH: deepseek_v4.load,
+}
 
 
 def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     raw = json.loads((path / "config.json").read_text())
+    own = next((ARCH_LOADERS[a] for a in raw.get("architectures") or [] if a in ARCH_LOADERS), None)
+    if own is not None:
+        return own(path)
     config = _config(raw, path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -34,7 +43,7 @@ def _config(raw: dict, path: Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
     if arch is None:
-        raise ValueError(f"{path}: architectures {archs} not supported (have {sorted(SUPPORTED)})")
+        raise ValueError(f"{path}: architectures {archs} not supported (have {sorted({*SUPPORTED, *ARCH_LOADERS})})")
     # transformers >= 5 moved rope settings into `rope_parameters`; older configs have rope_theta/rope_scaling.
     rope = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
