@@ -144,11 +144,10 @@ def _hub_layer(p: str, layer) -> dict[str, torch.Tensor]:
 
 
 def _mtp_tensors(model, seed: int) -> dict[str, torch.Tensor]:
-    """One fake MTP layer of kind CSA (ratio 4): attention tensors shaped like the first CSA layer's, MoE ones like
-    the last layer's (a routed one), plus the MTP projections and head. Values are e2m1 codes / 4, which FP8 and
-    FP4 both hold exactly."""
+    """One MTP layer as DeepSeek releases it: window-only attention (their compress_ratios end in 0), a routed
+    MoE shaped like the last layer's, plus the MTP projections, norms and head collapse. Values are small e2m1
+    codes, which FP8 and FP4 both hold exactly."""
     config = model.config
-    csa = config.layer_types.index(C)
     last = config.num_hidden_layers - 1
     assert config.mlp_layer_types[last] == "moe"
     d, hc = config.hidden_size, config.hc_mult
@@ -156,10 +155,15 @@ def _mtp_tensors(model, seed: int) -> dict[str, torch.Tensor]:
               "norm.weight": (d,), "hc_head_fn": (hc, hc * d), "hc_head_base": (hc,), "hc_head_scale": (1,)}
     for name, tensor in hub_state_dict(model).items():
         parts = name.split(".", 2)
-        if parts[0] == "layers" and int(parts[1]) == (last if parts[2].startswith("ffn.") else csa):
+        if parts[0] != "layers" or ".compressor." in parts[2] or ".indexer." in parts[2]:
+            continue
+        if int(parts[1]) == (last if parts[2].startswith("ffn.") else 0):
             shapes[parts[2]] = tuple(tensor.shape)
     g = torch.Generator().manual_seed(seed)
-    return {f"mtp.0.{leaf}": E2M1[torch.randint(16, shape, generator=g)] / 4 for leaf, shape in shapes.items()}
+    scale = {"e_proj.weight": d**-0.5, "h_proj.weight": d**-0.5}  # keep the MTP block's input near unit scale
+    return {f"mtp.0.{leaf}": E2M1[torch.randint(16, shape, generator=g)] / 4 * (4 * scale[leaf] if leaf in scale
+                                                                                 else 1)
+            for leaf, shape in shapes.items()}
 
 
 def quantized_kind(name: str, tensor: torch.Tensor) -> str | None:
@@ -237,8 +241,7 @@ def save_hub_dialect(model, path: Path, quantize: bool = False) -> dict[str, tor
         "norm_topk_prob": config.norm_topk_prob, "routed_scaling_factor": config.routed_scaling_factor,
         "max_position_embeddings": config.max_position_embeddings, "rope_theta": config.rope_theta,
         "compress_rope_theta": config.compress_rope_theta,
-        "compress_ratios": [0 if t == S else config.compress_rates[t] for t in config.layer_types]
-        + [config.compress_rates[C]],
+        "compress_ratios": [0 if t == S else config.compress_rates[t] for t in config.layer_types] + [0],
         "num_hash_layers": config.mlp_layer_types.count("hash_moe"), "num_nextn_predict_layers": 1,
         "sliding_window": config.sliding_window, "o_groups": config.o_groups, "o_lora_rank": config.o_lora_rank,
         "index_n_heads": config.index_n_heads, "index_head_dim": config.index_head_dim,

@@ -75,9 +75,11 @@ class Engine:
         max_running: int = 64,
         kernels: str = "auto",
         cuda_graphs: bool = True,
+        speculative_tokens: int = 0,
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
-        steps from CUDA graphs (Triton kernels on a GPU only)."""
+        steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: drafts per decode step from
+        the model's MTP layer (DeepSeek-V4), verified in the same step (0 = off)."""
         # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
         loaded = model if isinstance(model, LoadedModel) else load(resolve(model) if isinstance(model, str) else model)
         self.device = torch.device(device)
@@ -105,7 +107,15 @@ class Engine:
         graphs = graph_buckets(max_running) if batched and cuda_graphs and self.device.type == "cuda" else ()
         self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
                                   max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=max_running)
-        self.overlap = self.device.type == "cuda"  # the CPU steps synchronously (tests may switch this on)
+        self.speculative = speculative_tokens
+        if speculative_tokens:
+            if getattr(self.model, "mtp", None) is None:
+                raise ValueError(f"{loaded.name}: no MTP layer to draft speculative tokens with")
+            if not 0 < speculative_tokens <= self.kv.backtrack:
+                raise ValueError(f"speculative_tokens must be in [1, {self.kv.backtrack}]")
+        self.spec_drafted = self.spec_accepted = 0  # drafts proposed / accepted (the acceptance rate)
+        # the CPU steps synchronously (tests may switch this on); speculative steps need their tokens at once
+        self.overlap = self.device.type == "cuda" and not speculative_tokens
         self._inflight: _Launched | None = None
         self._readback = [self._pinned(max_running), self._pinned(max_running)]  # alternate: N's, N+1's
         self._steps = 0
@@ -126,6 +136,8 @@ class Engine:
                 return []
             self._inflight = self._launch() if self.overlap else None
             outputs = self.scheduler.resolve(done.plan, done.result())
+            if self.speculative:
+                self._draft(done.plan)
             for out in outputs:
                 if out.finish_reason is not None and out.request_id not in self.scheduler.held:
                     self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
@@ -138,9 +150,15 @@ class Engine:
         if not plan.chunks:
             return None
         logits = self.runner.run(plan)  # (num_sampled, V)
-        rows = [c.seq for c in plan.chunks if c.sample]
-        specs, positions = [s.sampling for s in rows], [s.output_position for s in rows]
+        # one row per sampled chunk; a chunk with drafts samples every row, at consecutive output positions
+        rows = [(c.seq, c.seq.output_position + r) for c in plan.chunks if c.sample
+                for r in range(c.num_tokens if c.drafts else 1)]
+        specs, positions = [s.sampling for s, _ in rows], [p for _, p in rows]
         self.scheduler.commit(plan)  # after reading output positions: it advances them
+        if self.speculative:
+            sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
+                sample_on_device(logits, specs, positions).tolist())
+            return _Launched(plan, self._verify(plan, sampled))
         if self.device.type == "cpu":
             tokens = sample(logits, specs, positions)
             if self.overlap:
@@ -156,6 +174,45 @@ class Engine:
         event = torch.cuda.Event()
         event.record()
         return _Launched(plan, host, event)
+
+    def _verify(self, plan: StepPlan, sampled: list[int]) -> list[int | list[int]]:
+        """Per sampled chunk: its token, or for a chunk with drafts the drafts the model itself would have
+        produced (same sampler, same output positions: the output is what decoding without drafts gives)
+        followed by the model's own token at the first disagreement (or after the last draft)."""
+        out: list[int | list[int]] = []
+        at = 0
+        for c in plan.chunks:
+            if not c.sample:
+                continue
+            if not c.drafts:
+                out.append(sampled[at])
+                at += 1
+                continue
+            tokens = sampled[at : at + c.num_tokens]
+            at += c.num_tokens
+            keep = next((i for i, d in enumerate(c.drafts) if tokens[i] != d), len(c.drafts))
+            self.spec_drafted += len(c.drafts)
+            self.spec_accepted += keep
+            out.append(tokens[: keep + 1])
+        return out
+
+    def _draft(self, plan: StepPlan) -> None:
+        """Feed the MTP layer the pairs this step made known, then draft the next tokens of every sequence
+        that decodes next."""
+        hidden = self.runner.hidden
+        assert hidden is not None
+        row = 0
+        for c in plan.chunks:
+            seq, rows = c.seq, hidden[row : row + c.num_tokens]
+            row += c.num_tokens
+            if self.scheduler.seqs.get(seq.request_id) is not seq or seq.status is not Status.RUNNING:
+                continue  # finished or aborted
+            kept = seq.num_computed - c.start  # rows whose tokens stayed (verified drafts, not rejected ones)
+            nexts = seq.token_ids[c.start + 1 : c.start + kept + 1]  # the token after each kept row, if known
+            out = self.model.mtp_advance(self.kv, seq.request_id, c.start, rows[:kept], nexts)
+            seq.drafts = []
+            if out is not None and c.sample:
+                seq.drafts = self.model.mtp_draft(self.kv, seq.request_id, out, c.start + kept, self.speculative)
 
     def _pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.long, pin_memory=self.device.type == "cuda")

@@ -40,6 +40,7 @@ class ModelRunner:
         self.bt = block_tokens
         self.batched = batched
         self.fed = torch.zeros(max_rows, dtype=torch.long, device=device)  # the last step's sampled tokens
+        self.hidden: torch.Tensor | None = None  # the last step's hidden rows (non-batched path)
         self.staging = PinnedStaging(device) if batched else None
         self.graphs = (DecodeGraphs(model, kv, device, block_tokens, max_tokens, graph_sizes, self.fed)
                        if graph_sizes else None)
@@ -66,13 +67,17 @@ class ModelRunner:
             table = seq.block_table
             spans.append(SeqSpan(len(ids), n, start + n, self._tensor(table[: -(-(start + n) // self.bt)]),
                                  seq.request_id))
-            ids += seq.token_ids[start : start + n]
+            first = len(ids)
+            ids += seq.token_ids[start : start + n - len(chunk.drafts)] + list(chunk.drafts)
             positions += range(start, start + n)
             slots += (table[p // self.bt] * self.bt + p % self.bt for p in range(start, start + n))
-            if chunk.sample:
+            if chunk.drafts:
+                sample_rows += range(first, len(ids))  # verify every draft: logits at each of its rows
+            elif chunk.sample:
                 sample_rows.append(len(ids) - 1)
         meta = AttentionMetadata(self._tensor(slots), spans)
         hidden = self.model.forward(self._tensor(ids), self._tensor(positions), meta, self.kv, self.fed)  # (T, D)
+        self.hidden = hidden  # the speculative drafter reads the rows it keeps
         return self.model.logits(hidden[self._tensor(sample_rows)])  # (N, V)
 
     def _run_batched(self, plan: StepPlan) -> torch.Tensor:

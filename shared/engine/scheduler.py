@@ -36,6 +36,7 @@ class Chunk:
     start: int  # first position computed
     num_tokens: int
     sample: bool  # the chunk ends at the sequence's last token: its logits give the next token
+    drafts: tuple[int, ...] = ()  # speculative tokens after the last one: every row is sampled and verified
 
 
 @dataclass
@@ -112,10 +113,14 @@ class Scheduler:
                     break
                 if seq.status is not Status.RUNNING or (seq.num_remaining == 1) != decoding or _done(seq):
                     continue  # preempted earlier in this loop, not in this pass, or its last token is in flight
-                n, evicted = self._reserve(seq, min(seq.num_remaining, budget), scheduled)
+                # a decode verifies its speculative drafts in the same chunk (never more than it may still emit)
+                drafts = seq.drafts[: max(0, seq.max_new_tokens - seq.num_generated - 1)] if decoding else []
+                n, evicted = self._reserve(seq, min(seq.num_remaining + len(drafts), budget), scheduled)
                 preempted |= evicted
                 if n:
-                    plan.chunks.append(Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+                    drafts = drafts[: n - 1] if decoding else []
+                    plan.chunks.append(Chunk(seq, seq.num_computed, n, seq.num_computed + n - len(drafts)
+                                             == seq.num_tokens, tuple(drafts)))
                     scheduled.add(seq)
                     budget -= n
         # Admitting while preempting would hand the freed blocks straight back to a newcomer and thrash.
@@ -145,8 +150,10 @@ class Scheduler:
                 seq.token_ids.append(-row)  # placeholder -(r + 1) for sampled row r
                 seq.num_generated += 1
 
-    def resolve(self, plan: StepPlan, sampled: list[int]) -> list[StepOutput]:
-        """The committed step's tokens are known: fill them in, publish blocks, finish sequences."""
+    def resolve(self, plan: StepPlan, sampled: list[int] | list[int | list[int]]) -> list[StepOutput]:
+        """The committed step's tokens are known: fill them in, publish blocks, finish sequences.
+
+        A chunk with drafts gets a list: the drafts the model agreed with, then its own next token."""
         assert len(sampled) == plan.num_sampled
         tokens = iter(sampled)
         outputs = []
@@ -157,7 +164,9 @@ class Scheduler:
                 continue  # aborted since the launch, or finished a step earlier (this was its extra token)
             new: list[int] = []
             reason = None
-            if token is not None:
+            if isinstance(token, list):
+                new, reason = self._accept(seq, chunk, token)
+            elif token is not None:
                 at = chunk.start + chunk.num_tokens  # index of the sampled token in token_ids
                 seq.token_ids[at] = token
                 new = [token]
@@ -172,6 +181,26 @@ class Scheduler:
                 self._finish(seq)
             outputs.append(StepOutput(seq.request_id, new, reason, seq.num_cached or 0))
         return outputs
+
+    def _accept(self, seq: Sequence, chunk: Chunk, new: list[int]) -> tuple[list[int], str | None]:
+        """A verified speculative chunk (synchronous steps only): the placeholder becomes the accepted drafts
+        and the bonus token, up to a stop token or the length limit; rejected drafts' KV is taken back."""
+        assert 1 <= len(new) <= len(chunk.drafts) + 1 and all(t >= 0 for t in new)
+        at = chunk.start + 1  # the placeholder commit() appended
+        before = seq.num_generated - 1
+        reason = None
+        for i, token in enumerate(new):
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif before + i + 1 >= seq.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                new = new[: i + 1]
+                break
+        seq.token_ids[at:] = new
+        seq.num_generated = before + len(new)
+        seq.num_computed = at + len(new) - 1  # the last token and the accepted drafts have KV; the bonus not yet
+        return new, reason
 
     # --- internals --------------------------------------------------------------------------------------------
 
@@ -232,6 +261,7 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drafts = []
         self.running.remove(seq)
         self._drop_blocks(seq)
         seq.num_computed = 0

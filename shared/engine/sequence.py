@@ -42,6 +42,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_published: int = 0  # leading blocks offered to the local prefix cache
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, extended lazily
+    drafts: list[int] = field(default_factory=list)  # speculative tokens proposed after the last one
 
     @property
     def num_tokens(self) -> int:

@@ -140,7 +140,7 @@ def test_hub_dialect_gives_the_same_spec_and_tensors(built: tuple[Any, Path], tm
     truth = save_hub_dialect(model, tmp_path)
     config, weights = hf.load(tmp_path)
     assert without_mtp(config.spec) == without_mtp(hf.load(path)[0].spec)
-    assert (config.spec.num_mtp_layers, config.spec.mtp_kinds, config.spec.mtp_ratios) == (1, (CSA,), (4,))
+    assert (config.spec.num_mtp_layers, config.spec.mtp_kinds, config.spec.mtp_ratios) == (1, (SLIDING,), (0,))
     assert_same_tensors(weights, truth)
 
 

@@ -44,7 +44,7 @@ def parse_spec(raw: dict[str, Any]) -> DeepseekV4Spec:
     kinds, ratios = _schedule(raw, n)
     num_mtp = int(_get(raw, "num_nextn_predict_layers", 1))
     # The hub's compress_ratios runs on past the main layers into the MTP layers; otherwise MTP is window-only.
-    mtp_ratios = [int(r) for r in (_get(raw, "compress_ratios", []))[n : n + num_mtp]]
+    mtp_ratios = [0 if int(r) <= 1 else int(r) for r in (_get(raw, "compress_ratios", []))[n : n + num_mtp]]
     mtp_ratios += [0] * (num_mtp - len(mtp_ratios))
     rope_theta, compress_rope_theta, yarn = _rope(raw)
     return DeepseekV4Spec(
@@ -93,7 +93,8 @@ def _get(raw: dict[str, Any], key: str, default: Any) -> Any:
 
 
 def _kind_of_ratio(ratio: int) -> str:
-    return SLIDING if ratio == 0 else CSA if ratio == 4 else HCA
+    """The hub's per-layer ratios: 0 (some ports write 1) = window only, 4 = CSA, anything larger = HCA."""
+    return SLIDING if ratio <= 1 else CSA if ratio == 4 else HCA
 
 
 def _schedule(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -103,8 +104,8 @@ def _schedule(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], tuple[int, 
     if types is None and legacy is not None:
         if len(legacy) < n:
             raise ValueError(f"compress_ratios has {len(legacy)} entries for {n} layers")
-        ratios = tuple(int(r) for r in legacy[:n])
-        return tuple(_kind_of_ratio(r) for r in ratios), ratios
+        kinds = tuple(_kind_of_ratio(int(r)) for r in legacy[:n])
+        return kinds, tuple(0 if k == SLIDING else int(r) for k, r in zip(kinds, legacy[:n]))
     if types is None:  # two HCA layers to bootstrap, then CSA / HCA interleaved
         types = ["heavily_compressed_attention"] * min(n, 2) + [
             "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))

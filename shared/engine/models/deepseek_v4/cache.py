@@ -34,6 +34,8 @@ import torch
 
 from shared.engine.models.deepseek_v4.spec import CSA, DeepseekV4Spec
 
+HEADER = 24  # length, begin, mtp_length as int64
+
 
 @dataclass
 class RequestState:
@@ -42,12 +44,16 @@ class RequestState:
     length: int
     begin: int  # positions before this were never computed here (bounded replay starts here)
     frozen: int  # entries of windows ending at or before this position are restored: never rewritten
-    swa: list[torch.Tensor]  # per layer (cap_swa, head_dim)
+    swa: list[torch.Tensor]  # per layer (cap_swa, head_dim), then the MTP layer's if the model drafts
     comp: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (cap, C) kv, gate; None: sliding layer
     index: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer; CSA only
+    # MTP: pairs (main streams at j, token j + 1) for j < mtp_length are in the MTP ring; the main streams at
+    # position mtp_length wait in `pending` for their next token while mtp_length < length
+    mtp_length: int = 0
+    pending: torch.Tensor | None = None  # (hc, D)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = list(self.swa)
+        out = list(self.swa) + ([] if self.pending is None else [self.pending])
         for pair in (*self.comp, *self.index):
             if pair is not None:
                 out += pair
@@ -56,8 +62,11 @@ class RequestState:
 
 class V4Cache:
     def __init__(self, spec: DeepseekV4Spec, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 backtrack: int = 4) -> None:
+                 backtrack: int = 4, mtp: bool = False) -> None:
+        """backtrack: tokens that can be taken back (speculative drafts rejected); mtp: keep the MTP layer's
+        ring and pending streams too."""
         self.spec = spec
+        self.mtp = mtp
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
@@ -84,7 +93,7 @@ class V4Cache:
 
     @property
     def state_bytes(self) -> int:
-        return 16 + sum(t.numel() for t in self._fresh(0, 0, 0).tensors()) * self.dtype.itemsize
+        return HEADER + sum(t.numel() for t in self._fresh(0, 0, 0).tensors()) * self.dtype.itemsize
 
     @property
     def replay_tokens(self) -> int:
@@ -151,7 +160,7 @@ class V4Cache:
 
     def export_state(self, request_id: str) -> bytes:
         state = self.states[request_id]
-        header = np.array([state.length, state.begin], dtype=np.int64).tobytes()
+        header = np.array([state.length, state.begin, state.mtp_length], dtype=np.int64).tobytes()
         flat = torch.cat([t.flatten() for t in state.tensors()]).cpu().contiguous()
         return header + flat.view(torch.uint8).numpy().tobytes()
 
@@ -161,9 +170,10 @@ class V4Cache:
         self._pending[request_id] = blob
 
     def _decode(self, blob: bytes) -> RequestState:
-        length, begin = (int(v) for v in np.frombuffer(blob[:16], dtype=np.int64))
+        length, begin, mtp_length = (int(v) for v in np.frombuffer(blob[:HEADER], dtype=np.int64))
         state = self._fresh(length, begin, length)
-        flat = torch.frombuffer(bytearray(blob[16:]), dtype=torch.uint8).view(self.dtype).to(self.device)
+        state.mtp_length = mtp_length
+        flat = torch.frombuffer(bytearray(blob[HEADER:]), dtype=torch.uint8).view(self.dtype).to(self.device)
         at = 0
         for t in state.tensors():
             t.copy_(flat[at : at + t.numel()].view(t.shape))
@@ -183,5 +193,7 @@ class V4Cache:
             csa = kind == CSA
             comp.append(ring(layer, (2 if csa else 1) * s.head_dim) if s.ratios[layer] else None)
             index.append(ring(layer, 2 * s.index_head_dim) if csa else None)
-        swa = [torch.zeros(self.cap_swa, s.head_dim, dtype=dt, device=dev) for _ in range(s.num_layers)]
-        return RequestState(length, begin, frozen, swa, comp, index)
+        rings = s.num_layers + (1 if self.mtp else 0)
+        swa = [torch.zeros(self.cap_swa, s.head_dim, dtype=dt, device=dev) for _ in range(rings)]
+        pending = torch.zeros(s.hc_mult, s.hidden_size, dtype=dt, device=dev) if self.mtp else None
+        return RequestState(length, begin, frozen, swa, comp, index, mtp_length=begin, pending=pending)

@@ -90,6 +90,20 @@ class Layer:
     shared: Experts | None  # the shared expert(s) as one (1, 2 I', D) expert
 
 
+@dataclass(frozen=True)
+class Mtp:
+    """Multi-token prediction: the layer pairs the main model's streams at position j with the embedding of
+    token j + 1 and predicts token j + 2, through one more (window-only) block and its own head collapse."""
+
+    layer: Layer
+    e_proj: torch.Tensor  # (D, D)
+    h_proj: torch.Tensor  # (D, D)
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    norm: torch.Tensor
+    hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class DeepseekV4:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
@@ -117,16 +131,9 @@ class DeepseekV4:
             w13 = torch.stack([torch.cat([w(f"{p}{e}.w1.weight"), w(f"{p}{e}.w3.weight")]) for e in names])
             return Experts(w13, torch.stack([w(f"{p}{e}.w2.weight") for e in names]))
 
-        self.embed = w("embed.weight")
-        self.head = w("head.weight")
-        self.norm = f32("norm.weight")
-        self.hc_head = (f32("hc_head_fn"), f32("hc_head_base"), f32("hc_head_scale"))
-        self.layers: list[Layer] = []
-        for i, (kind, ratio) in enumerate(zip(spec.kinds, spec.ratios)):
-            p = f"layers.{i}."
+        def layer(p: str, kind: str, ratio: int, hashed: bool) -> Layer:
             a = p + "attn."
-            hashed = i < spec.hash_layers
-            self.layers.append(Layer(
+            return Layer(
                 kind=kind,
                 hc_attn=(f32(p + "hc_attn_fn"), f32(p + "hc_attn_base"), f32(p + "hc_attn_scale")),
                 hc_ffn=(f32(p + "hc_ffn_fn"), f32(p + "hc_ffn_base"), f32(p + "hc_ffn_scale")),
@@ -143,7 +150,22 @@ class DeepseekV4:
                 tid2eid=weights[p + "ffn.gate.tid2eid"].to(device=device, dtype=torch.long) if hashed else None,
                 experts=experts(p + "ffn.experts.", [str(e) for e in range(spec.num_experts)]),
                 shared=experts(p + "ffn.", ["shared_experts"]) if spec.num_shared_experts else None,
-            ))
+            )
+
+        self.embed = w("embed.weight")
+        self.head = w("head.weight")
+        self.norm = f32("norm.weight")
+        self.hc_head = (f32("hc_head_fn"), f32("hc_head_base"), f32("hc_head_scale"))
+        self.layers = [layer(f"layers.{i}.", kind, ratio, i < spec.hash_layers)
+                       for i, (kind, ratio) in enumerate(zip(spec.kinds, spec.ratios))]
+        # The MTP layer drafts tokens for speculative decoding. DeepSeek's releases make it window-only (their
+        # compress_ratios end in 0): its sliding ring is all the state it needs, kept beside the main layers'.
+        self.mtp: Mtp | None = None
+        if spec.num_mtp_layers and spec.mtp_kinds[0] == SLIDING:
+            p = "mtp.0."
+            self.mtp = Mtp(layer(p, SLIDING, 0, False), w(p + "e_proj.weight"), w(p + "h_proj.weight"),
+                           f32(p + "enorm.weight"), f32(p + "hnorm.weight"), f32(p + "norm.weight"),
+                           (f32(p + "hc_head_fn"), f32(p + "hc_head_base"), f32(p + "hc_head_scale")))
         rd = spec.rope_head_dim
         self.rope_main = Rotary(rd, spec.rope_theta, None, device)
         self.rope_compress = Rotary(rd, spec.compress_rope_theta, spec.compress_rope_scaling, device)
@@ -152,11 +174,11 @@ class DeepseekV4:
     # --- the cache ----------------------------------------------------------------------------------------------
 
     def cache_spec(self, block_tokens: int, dtype: torch.dtype) -> CacheSpec:
-        probe = V4Cache(self.spec, 1, torch.device("cpu"), dtype)
+        probe = V4Cache(self.spec, 1, torch.device("cpu"), dtype, mtp=self.mtp is not None)
         return CacheSpec(None, probe.state_bytes, block_bytes=probe.block_bytes, block_tokens=self.block_tokens)
 
     def make_cache(self, num_blocks: int) -> V4Cache:
-        self.cache = V4Cache(self.spec, num_blocks, self.device, self.dtype)
+        self.cache = V4Cache(self.spec, num_blocks, self.device, self.dtype, mtp=self.mtp is not None)
         return self.cache
 
     # --- forward ------------------------------------------------------------------------------------------------
@@ -187,12 +209,78 @@ class DeepseekV4:
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams (N, hc, D) of the rows we sample from -> (N, V) float32."""
+        return self._head(streams, self.hc_head, self.norm)
+
+    def _head(self, streams: torch.Tensor, hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+              norm: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        fn, base, scale = self.hc_head
+        fn, base, scale = hc_head
         flat = rms(streams.flatten(1).float(), None, s.rms_eps)
         pre = torch.sigmoid(flat @ fn.T * scale + base) + s.hc_eps  # (N, hc)
         x = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
-        return F.linear(rms(x, self.norm, s.rms_eps), self.head).float()
+        return F.linear(rms(x, norm, s.rms_eps), self.head).float()
+
+    # --- multi-token prediction ---------------------------------------------------------------------------------
+
+    def mtp_advance(self, kv: V4Cache, request_id: str, start: int, streams: torch.Tensor, next_tokens: list[int]
+                    ) -> torch.Tensor | None:
+        """Feed the MTP layer the pairs a main step made known: `streams` (n, hc, D) are the main model's at
+        positions [start, start + n) (only those whose tokens were kept), `next_tokens` the tokens that followed
+        them (n - 1, or n when the step's sampled token is included). Returns the MTP output streams (hc, D) of
+        the last pair when that pair's token is the newest one (the first draft's input), else None."""
+        state = kv.states[request_id]
+        rows = streams
+        first = start
+        if state.mtp_length == start - 1 and state.pending is not None:  # h at start - 1 waited for token start
+            rows = torch.cat([state.pending[None].to(streams.dtype), streams])
+            first = start - 1
+        elif state.mtp_length > start:  # already paired (the first draft pairs the newest token itself)
+            skip = state.mtp_length - start
+            rows, next_tokens, first = rows[skip:], next_tokens[skip:], state.mtp_length
+        n = len(next_tokens)
+        out = None
+        if n:
+            out = self._mtp_block(kv, request_id, rows[:n], torch.tensor(next_tokens, device=rows.device), first)
+        state.mtp_length = first + n
+        if n < rows.shape[0] and state.pending is not None:
+            state.pending.copy_(rows[n])  # h at mtp_length, waiting for its next token
+        return None if out is None or n == rows.shape[0] - 1 else out[-1]
+
+    def mtp_draft(self, kv: V4Cache, request_id: str, out: torch.Tensor, position: int, k: int) -> list[int]:
+        """k greedy draft tokens from the MTP output streams `out` (hc, D) of the pair at `position - 1`; pairs
+        built from drafts are provisional: the next mtp_advance overwrites them."""
+        assert self.mtp is not None
+        m = self.mtp
+        drafts: list[int] = []
+        for step in range(k):
+            token = int(self._head(out[None], m.hc_head, m.norm).argmax(-1))
+            drafts.append(token)
+            if step + 1 < k:
+                out = self._mtp_block(kv, request_id, out[None], torch.tensor([token], device=out.device),
+                                      position + step, provisional=True)[-1]
+        return drafts
+
+    def _mtp_block(self, kv: V4Cache, request_id: str, h: torch.Tensor, tokens: torch.Tensor, first: int,
+                   provisional: bool = False) -> torch.Tensor:
+        """The MTP layer over pairs (h_j, token j + 1) at positions first..first + n - 1 -> streams (n, hc, D)."""
+        assert self.mtp is not None
+        s, m = self.spec, self.mtp
+        state = kv.states[request_id]
+        n = h.shape[0]
+        positions = torch.arange(first, first + n, device=h.device)
+        e = rms(self.embed[tokens], m.enorm, s.rms_eps)
+        streams = F.linear(e, m.e_proj).unsqueeze(1) + F.linear(rms(h, m.hnorm, s.rms_eps), m.h_proj)
+        angles = {"main": self.rope_main.angles(positions)}
+        span = SeqSpan(0, n, first + n, torch.zeros(0, dtype=torch.long), request_id)
+        meta = AttentionMetadata(positions, [span])
+        i, layer = s.num_layers, m.layer  # its ring sits after the main layers'
+        post, comb, x = self._hc_pre(streams, layer.hc_attn)
+        out = self._attention(i, layer, rms(x, layer.attn_norm, s.rms_eps), positions, angles, meta, [state], kv)
+        streams = self._hc_post(out, post, comb, streams)
+        post, comb, x = self._hc_pre(streams, layer.hc_ffn)
+        streams = self._hc_post(self._moe(layer, rms(x, layer.ffn_norm, s.rms_eps), tokens), post, comb, streams)
+        del provisional  # the ring slots it wrote are simply rewritten by the next true pairs
+        return streams
 
     # --- manifold-constrained hyper-connections -----------------------------------------------------------------
 

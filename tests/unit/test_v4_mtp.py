@@ -1,0 +1,100 @@
+"""Speculative decoding with DeepSeek-V4's MTP layer: drafts verified in one step, rejected ones rolled back.
+
+The output must be exactly what decoding without drafts gives, greedy and seeded sampling alike (the sampler is
+a function of (seed, output position), so a verified row samples what the plain step would have). transformers
+has no MTP, so the checkpoints are written in the hub's dialect with an MTP layer; random MTP weights draft badly
+(the rollback path), an oracle drafter that knows the answer drafts well (the acceptance path).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine, EngineRequest, run_to_completion
+from shared.schemas.generate import SamplingParams
+from tests import v4_checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = v4_checkpoints.build(tmp_path_factory.mktemp("v4-hf"), "mixed")
+    path = tmp_path_factory.mktemp("v4-hub")
+    v4_checkpoints.save_hub_dialect(model, path)
+    return path
+
+
+def _requests(temperature: float) -> list[EngineRequest]:
+    prompts = {"a": 9, "b": 30, "c": 17}
+    out = []
+    for i, (rid, n) in enumerate(prompts.items()):
+        ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+        sampling = SamplingParams(temperature=temperature, max_tokens=14, seed=100 + i)
+        out.append(EngineRequest(rid, ids, sampling, max_new_tokens=14, stop_token_ids=[]))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_never_change_the_output(checkpoint: Path, k: int, temperature: float) -> None:
+    plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24), _requests(temperature))
+    engine = Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24, speculative_tokens=k)
+    assert run_to_completion(engine, _requests(temperature)) == plain
+    assert engine.spec_drafted > 0  # drafts were made and verified (random MTP weights: few accepted)
+    assert not engine.kv.states  # every request's state (MTP ring included) is freed
+
+
+def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path) -> None:
+    """An oracle drafter that knows the plain output (but gets every third draft wrong): accepted drafts make
+    steps emit several tokens, rejected ones roll the rings back, and the output is unchanged."""
+    requests = _requests(0.0)
+    plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64), requests)
+    engine = Engine(str(checkpoint), kv_blocks=64, speculative_tokens=3)
+    calls = {"n": 0}
+    real_draft = engine.model.mtp_draft
+
+    def oracle(kv, request_id, out, position, k):
+        real_draft(kv, request_id, out, position, k)  # keep the MTP layer's own bookkeeping exercised
+        prompt = next(len(r.token_ids) for r in requests if r.request_id == request_id)
+        truth = plain[request_id][position + 1 - prompt :][:k]
+        calls["n"] += 1
+        return [t if (calls["n"] + i) % 3 else (t + 1) % 512 for i, t in enumerate(truth)]
+
+    engine.model.mtp_draft = oracle
+    steps = 0
+    engine_requests = _requests(0.0)
+    for r in engine_requests:
+        engine.add(r)
+    got: dict[str, list[int]] = {r.request_id: [] for r in engine_requests}
+    while engine.has_work():
+        steps += 1
+        for o in engine.step():
+            got[o.request_id] += o.token_ids
+    assert got == plain
+    assert 0 < engine.spec_accepted < engine.spec_drafted  # some accepted, some rolled back
+    assert steps < 14 + 3  # fewer steps than one token per step would take (prefill chunks included)
+
+
+def test_speculative_decoding_needs_an_mtp_layer(tmp_path: Path) -> None:
+    v4_checkpoints.build(tmp_path, "mixed")  # save_pretrained writes no MTP weights
+    with pytest.raises(ValueError, match="no MTP layer"):
+        Engine(str(tmp_path), kv_blocks=16, speculative_tokens=2)
+
+
+def test_state_with_mtp_moves_between_engines(checkpoint: Path) -> None:
+    """The MTP ring rides in the short-term state: a decode engine that imports it keeps drafting."""
+    prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(7)).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    prefill = Engine(str(checkpoint), kv_blocks=64, speculative_tokens=2)
+    first = run_to_completion(prefill, [EngineRequest("r", prompt, greedy, max_new_tokens=1, hold_kv=True)])
+    blocks = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
+    state = prefill.export_state("r")
+    decode = Engine(str(checkpoint), kv_blocks=64, speculative_tokens=2)
+    rest = run_to_completion(decode, [EngineRequest("r", prompt + first["r"], greedy, max_new_tokens=9,
+                                                    output_offset=1, prefix_blocks=blocks,
+                                                    prefix_tokens=len(prompt), prefix_state=state)])
+    plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64), [EngineRequest("r", prompt, greedy, 10)])
+    assert first["r"] + rest["r"] == plain["r"]
+    assert decode.spec_drafted > 0
