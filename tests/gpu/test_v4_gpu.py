@@ -1,0 +1,46 @@
+"""DeepSeek-V4 in the engine on a GPU (marked gpu: skipped without CUDA): the same tokens as on the CPU in fp32,
+bf16 runs, MTP speculative decoding changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine, EngineRequest, run_to_completion
+from shared.schemas.generate import SamplingParams
+from tests import v4_checkpoints
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = v4_checkpoints.build(tmp_path_factory.mktemp("hf"), "mixed")
+    path = tmp_path_factory.mktemp("hub")
+    v4_checkpoints.save_hub_dialect(model, path)
+    return path
+
+
+def _requests() -> list[EngineRequest]:
+    return [EngineRequest(f"r{i}", torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(i)).tolist(),
+                          GREEDY, max_new_tokens=16, stop_token_ids=[]) for i, n in enumerate((5, 40, 23))]
+
+
+def test_cuda_fp32_equals_cpu(hub: Path) -> None:
+    cpu = run_to_completion(Engine(str(hub), kv_blocks=64), _requests())
+    cuda = run_to_completion(Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64), _requests())
+    assert cuda == cpu
+
+
+def test_cuda_drafts_change_nothing(hub: Path) -> None:
+    """fp32: exact. (In bf16 a k + 1-row verify runs other GEMM shapes than a 1-row decode step, so near-ties
+    may round apart: bf16 is only checked to run.)"""
+    plain = run_to_completion(Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64), _requests())
+    spec = Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, speculative_tokens=2)
+    assert run_to_completion(spec, _requests()) == plain
+    assert spec.spec_drafted > 0
+    bf16 = run_to_completion(Engine(str(hub), device="cuda", kv_blocks=64, speculative_tokens=2), _requests())
+    assert all(len(t) == 16 for t in bf16.values())
