@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-BLOCK_TOKENS = 16  # tokens per KV block, everywhere: paging, hashing, storage, balancing
+BLOCK_TOKENS = 16  # tokens per KV block (Llama family); an engine may use a multiple (DeepSeek-V4: 128)
 DIGEST_BYTES = 16
 
 

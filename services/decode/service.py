@@ -43,6 +43,7 @@ class DecodeService(EngineWorker):
                      len(prompt) - prefix_tokens, len(prompt))
         engine_req = EngineRequest(
             request_id=req.request_id,
+            cache_salt=req.cache_salt,
             token_ids=[*prompt, job.first_token],
             sampling=req.sampling,
             max_new_tokens=req.sampling.max_tokens - 1,

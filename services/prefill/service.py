@@ -36,6 +36,7 @@ class PrefillService(EngineWorker):
         cached = await self.kv.get_run(hashes[:usable])
         engine_req = EngineRequest(
             request_id=req.request_id,
+            cache_salt=req.cache_salt,
             token_ids=list(prompt),
             sampling=req.sampling,
             max_new_tokens=1,

@@ -75,3 +75,4 @@ class PreparedRequest:
     # Completions only: the raw prompt (no template, `conversation` is empty); text or token ids, not both.
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    cache_salt: str = ""  # the request's own `cache_salt` (on top of the tenant's) for its KV cache keys

@@ -171,7 +171,9 @@ class RecipeService:
         self._flights[rid] = Flight(rid, prepared, processor, time.monotonic())
         # Subscribe before submitting: the first token can come back before this reply does.
         self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
-        generate = GenerateRequest(rid, model.name, prompt_ids, sampling, cache_salt=req.tenant, arrival=time.time())
+        # tenants never share cached prefixes; within one, only requests with the same cache_salt do
+        salt = req.tenant if not prepared.cache_salt else f"{req.tenant}\x00{prepared.cache_salt}"
+        generate = GenerateRequest(rid, model.name, prompt_ids, sampling, cache_salt=salt, arrival=time.time())
         try:
             await self._bus.submit(subjects.ROUTE_PREFILL, generate, msg_id=rid)
         except Exception as exc:  # JetStream unavailable: nothing was queued, nothing to cancel

@@ -19,6 +19,7 @@ class EngineRequest:
     prefix_state: bytes = b""  # per-request model state after prefix_tokens (V4), b"" = rebuild it (replay)
     hold_kv: bool = False  # when finished keep the blocks until release() (prefill exports them)
     stop_token_ids: list[int] | None = None  # None = model's eos ids + sampling.stop_token_ids (unless ignore_eos)
+    cache_salt: str = ""  # tenant (+ request) salt: the local prefix cache is shared only within one salt
 
 
 @dataclass

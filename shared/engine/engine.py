@@ -290,6 +290,7 @@ class Engine:
             max_new_tokens=min(req.max_new_tokens, self.max_tokens - n),
             output_offset=req.output_offset,
             hold_kv=req.hold_kv,
+            ns=hashing.namespace(self.cache_id, req.cache_salt),
             prefix_blobs=list(req.prefix_blocks),
             prefix_tokens=req.prefix_tokens,
         )

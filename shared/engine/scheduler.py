@@ -232,7 +232,7 @@ class Scheduler:
         """Give a waiting sequence its cached/imported prefix and blocks for a first chunk; 0 if it must wait."""
         # Reuse local blocks only strictly before the last token: its logits have to be computed, and
         # recomputing it must never write into a block that other sequences share.
-        hashes = seq.block_hashes(self.ns, (seq.num_tokens - 1) // self.bt, self.bt)
+        hashes = seq.block_hashes(seq.ns or self.ns, (seq.num_tokens - 1) // self.bt, self.bt)
         table = self.blocks.match(hashes)
         computed = len(table) * self.bt
         imports: list[tuple[int, bytes]] = []
@@ -299,7 +299,7 @@ class Scheduler:
         """Offer every full, computed block to the local prefix cache."""
         full = seq.num_computed // self.bt
         if full > seq.num_published:
-            hashes = seq.block_hashes(self.ns, full, self.bt)
+            hashes = seq.block_hashes(seq.ns or self.ns, full, self.bt)
             for i in range(seq.num_published, full):
                 self.blocks.publish(seq.block_table[i], hashes[i])
             seq.num_published = full

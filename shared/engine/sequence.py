@@ -33,6 +33,7 @@ class Sequence:
     max_new_tokens: int  # already clamped to context and KV capacity
     output_offset: int  # output position of the next token we generate
     hold_kv: bool
+    ns: bytes = b""  # namespace of its blocks' chained hashes: the engine's cache identity + the request's salt
     prefix_blobs: list[bytes] = field(default_factory=list)  # to import at admission, then dropped
     prefix_tokens: int = 0
     status: Status = Status.WAITING

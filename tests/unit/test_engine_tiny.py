@@ -185,3 +185,22 @@ def test_overlapped_steps_match_synchronous(loaded: LoadedModel) -> None:
     fast = Engine(loaded, dtype=torch.float32, kv_blocks=32)
     fast.overlap = True
     assert overlap_workload(fast, stop) == expected
+
+
+def test_local_prefix_cache_is_shared_only_within_a_salt(checkpoint: Path) -> None:
+    """Tenant isolation: a prompt cached for one salt (tenant / cache_salt) is recomputed for another."""
+    engine = Engine(str(checkpoint), kv_blocks=64)
+    prompt = list(range(3, 60))
+
+    def cached(rid: str, salt: str) -> int:
+        engine.add(EngineRequest(rid, prompt, SamplingParams(temperature=0), max_new_tokens=2, cache_salt=salt))
+        reported = 0
+        while engine.has_work():
+            for out in engine.step():
+                reported = out.num_cached_tokens
+        return reported
+
+    assert cached("a1", "tenant-a") == 0
+    assert cached("a2", "tenant-a") == 48  # three full blocks of the first request, found again
+    assert cached("b1", "tenant-b") == 0  # same tokens, another tenant: never shared
+    assert cached("a3", "tenant-a") == 48

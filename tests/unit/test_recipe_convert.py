@@ -186,3 +186,19 @@ def test_the_model_table_is_configurable() -> None:
     assert p.encoding == "chat_template" and not p.conversation.thinking
     with pytest.raises(ValueError, match="unknown prompt formats"):
         ConvertOptions(models={"x": "v5"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
+def test_cache_salt_is_carried_and_checked(api: str) -> None:
+    body = {
+        "chat": {"model": PRO, "messages": [{"role": "user", "content": "hi"}]},
+        "completions": {"model": PRO, "prompt": "hi"},
+        "responses": {"model": PRO, "input": "hi"},
+        "messages": {"model": PRO, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+    }[api]
+    assert convert(api, body).cache_salt == ""
+    assert convert(api, {**body, "cache_salt": "project-42"}).cache_salt == "project-42"
+    for bad in (42, "", "x" * 257):
+        with pytest.raises(ConversionError, match="cache_salt") as err:
+            convert(api, {**body, "cache_salt": bad})
+        assert err.value.status == 400

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import orjson
@@ -29,6 +30,7 @@ Converter = Callable[[Any, ConvertOptions], PreparedRequest]
 
 
 APIS = ("chat", "responses", "messages", "completions")
+MAX_CACHE_SALT = 256  # vLLM's `cache_salt`: requests share cached prefixes only with the same salt (and tenant)
 
 
 def _converter(api: str) -> Converter:
@@ -46,9 +48,15 @@ def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT
         except orjson.JSONDecodeError as exc:
             raise ConversionError(f"invalid JSON request: {exc}") from None
     try:
-        return _converter(api)(body, options)
+        prepared = _converter(api)(body, options)
     except BodyError as exc:
         raise ConversionError(f"invalid request body: {exc.message}") from None
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    if salt is None:
+        return prepared
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise ConversionError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
+    return replace(prepared, cache_salt=salt)
 
 
 def api_error(api: str, error: ConversionError) -> ApiError:
