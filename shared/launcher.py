@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="engine device (default: cuda when available, else cpu)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
     p.add_argument("--api-key", default=None, help="require this API key from clients")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     return p.parse_args(argv)
@@ -69,6 +71,7 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--nats-url", nats_url, "--state-dir", str(state_dir), "--model", args.model]
     worker = common + (["--device", args.device] if args.device else [])
+    worker += ["--speculative-tokens", str(args.speculative_tokens)] if args.speculative_tokens else []
     gateway = common + ["--host", args.host, "--port", str(args.port)]
     if args.api_key:
         gateway += ["--api-key", args.api_key]

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 CANCEL_MEMORY_S = 300.0  # a cancel may overtake its job on the way here: remember it this long
+STATE_PART_OVERHEAD = 64 * 1024  # room for the key, msgpack framing and trace headers around one state part
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,13 @@ class WorkerConfig:
     kv_blocks: int | None
     max_batch_tokens: int
     max_running: int
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("--max-batch-tokens and --max-running must be positive")
+        if self.speculative_tokens < 0:
+            raise ValueError("--speculative-tokens must be >= 0")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +55,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
     parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
     parser.add_argument("--max-running", type=int, default=64, help="requests held at once")
+    parser.add_argument("--speculative-tokens", type=int, default=0,
+                        help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running)
+    return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
+                        args.speculative_tokens)
 
 
 class EngineWorker(ABC):
@@ -108,6 +115,8 @@ class EngineWorker(ABC):
                 kv_blocks=self.worker.kv_blocks,
                 max_batch_tokens=self.worker.max_batch_tokens,
                 max_running=self.worker.max_running,
+                # prefill drafts nothing itself, but feeds the MTP layer the prompt so decode's drafts start warm
+                speculative_tokens=self.worker.speculative_tokens,
             )
         except Exception as exc:
             log.exception("could not load model %s", self.config.model)
@@ -160,6 +169,11 @@ class EngineWorker(ABC):
             log.info("cancel %s (%s)", cancel.request_id, cancel.reason)
             await self.engine.abort(cancel.request_id)
 
+    def state_part_bytes(self) -> int:
+        """The largest state part one message carries."""
+        assert self.bus is not None
+        return self.bus.max_payload - STATE_PART_OVERHEAD
+
     async def publish_tokens(self, event: TokenEvent, env: Envelope) -> None:
         assert self.bus is not None
         await self.bus.publish(subjects.tokens(event.request_id), event, trace=env.trace)
@@ -183,3 +197,11 @@ class EngineWorker(ABC):
             except Exception as exc:  # reconnecting: the balancer will notice the gap
                 log.debug("heartbeat not sent: %s", exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+# --- short-term state through the kvcache service ----------------------------------------------------------------
+#
+#     key        ->  u32 n | blob[0 : P]          part 0, under the key the DecodeJob carries
+#     key#1      ->  blob[P : 2P]
+#     ...
+#     key#(n-1)  ->  blob[(n-1)P :]               P = the bus's max payload - STATE_PART_OVERHEAD

@@ -273,3 +273,27 @@ def save_hub_dialect(model, path: Path, quantize: bool = False) -> dict[str, tor
     index = {"weight_map": {name: file for file, tensors in shards.items() for name in tensors}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return truth
+
+
+# ---- a served checkpoint ----------------------------------------------------------------------------------------
+# What the CLI and mesh tests serve: the real vocabulary (129,280 ids: every id the V4 tokenizer makes is a valid
+# input, and the head samples over all of them), a 4,096-token context and the real models' 128-token long-term
+# block (HCA ratio 128, so engine.block_tokens is 128, not shared.hashing's 16). The embedding and head make it
+# about 70 MB; transformers builds it in a few seconds.
+
+SERVED_NAME = "DeepSeek-V4-Pro"  # the directory's name is the served name; deepseek-recipe knows this one as V4
+SERVED: dict[str, Any] = dict(
+    vocab_size=129280,
+    max_position_embeddings=4096,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                     "beta_fast": 32, "beta_slow": 1},  # 4 x 1024 = the context, as transformers expects
+)
+
+
+def build_served(root: Path, seed: int = 0) -> Path:
+    """A servable tiny checkpoint at `root / SERVED_NAME` (config.json + safetensors, no tokenizer.json: it is
+    served with the packaged V4 tokenizer); returns its directory."""
+    path = root / SERVED_NAME
+    build(path, "mixed", seed=seed, **SERVED)
+    return path

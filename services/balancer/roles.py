@@ -8,12 +8,11 @@ the same for every role. Vision and expert placement plug in here later.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from services.balancer.policies import Demand
-from shared import hashing, subjects
+from shared import subjects
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob
 
 J = TypeVar("J")
@@ -73,8 +72,10 @@ class DecodeRole:
 
     def demand(self, job: DecodeJob) -> Demand:
         # The prompt plus the first token must fit; later blocks are the worker's to find (or preempt for).
+        # Counted in the model's own blocks (DeepSeek-V4: 128 tokens, not shared.hashing's 16), which prefill
+        # already did: block_hashes has one key per full prompt block, and ceil((n + 1) / B) = n // B + 1.
         tokens = len(job.request.prompt_ids) + 1
-        return Demand(prompt_tokens=tokens, blocks_needed=math.ceil(tokens / hashing.BLOCK_TOKENS))
+        return Demand(prompt_tokens=tokens, blocks_needed=len(job.block_hashes) + 1)
 
     def address(self, job: DecodeJob, worker_id: str) -> tuple[str, DecodeJob]:
         return subjects.decode_work(worker_id), dataclasses.replace(job, worker_id=worker_id)

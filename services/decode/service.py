@@ -14,6 +14,7 @@ from shared import subjects
 from shared.bus import Envelope
 from shared.engine.engine import EngineRequest
 from shared.schemas.generate import DecodeJob, TokenEvent
+from shared.kvclient import get_state
 from shared.schemas.kv import KvDelete
 from shared.worker import EngineWorker
 
@@ -35,9 +36,9 @@ class DecodeService(EngineWorker):
             if tail:
                 blobs += tail
                 prefix_tokens = len(prompt)
-        state = b""
+        state, state_keys = b"", [job.state_key] if job.state_key else []
         if job.state_key and prefix_tokens >= len(prompt):  # V4: rings at the prompt's end (else: bounded replay)
-            state = b"".join(await self.kv.get_run([job.state_key]))
+            state, state_keys = await get_state(self.kv, job.state_key)
         if prefix_tokens < len(prompt):
             log.info("%s: %d of %d prompt tokens not in the store, recomputing", req.request_id,
                      len(prompt) - prefix_tokens, len(prompt))
@@ -64,7 +65,8 @@ class DecodeService(EngineWorker):
                 )
                 index += len(out.token_ids)
         finally:
-            short_term = [k for k in (job.tail_key, job.state_key) if k]
+            # (state parts not read here expire with the short-term TTL)
+            short_term = [k for k in (job.tail_key, *state_keys) if k]
             if short_term:
                 await self.bus.publish(subjects.KV_DELETE, KvDelete(short_term))
         if finish_reason is None:

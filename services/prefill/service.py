@@ -2,8 +2,9 @@
 
 For each job: look up the longest run of the prompt's blocks already in the kvcache service, import those,
 compute the rest (chunked, batched with other prompts), sample the first token and send it to the client at
-once, then store the new full blocks under their chained hashes and the partial last block under a short-term
-per-request key, and hand the request to the decode balancer.
+once, then store the new full blocks under their chained hashes, the partial last block and the model's
+per-request state (V4's rings, in parts: see shared/kvclient.py) under short-term per-request keys, and hand the
+request to the decode balancer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from shared import hashing, subjects
 from shared.bus import Envelope
 from shared.engine.engine import EngineRequest
-from shared.kvclient import SHORT_TERM_TTL_S, state_key, tail_key
+from shared.kvclient import SHORT_TERM_TTL_S, put_state, state_key, tail_key
 from shared.schemas.generate import DecodeJob, PrefillJob, TokenEvent
 from shared.worker import EngineWorker
 
@@ -81,7 +82,7 @@ class PrefillService(EngineWorker):
             if self.engine.engine.has_request_state:
                 state = state_key(req.request_id)
                 blob = await self.engine.call(self.engine.engine.export_state, req.request_id)
-                await self.kv.put_many([(state, blob)], ttl_s=SHORT_TERM_TTL_S)
+                await put_state(self.kv, state, blob, self.state_part_bytes())
             log.debug("%s: stored %d blocks in %.3fs", req.request_id, full - len(cached), time.monotonic() - started)
         finally:
             await self.engine.call(self.engine.engine.release, req.request_id)

@@ -148,3 +148,34 @@ async def test_decode_routing_picks_the_worker_with_room(nats_url: str) -> None:
         await balancer.stop()
         await bus.drain()
         await side.drain()
+
+
+async def test_decode_demand_is_counted_in_the_models_own_blocks(nats_url: str) -> None:
+    """A DeepSeek-V4 prompt of 300 tokens fills 2 full 128-token blocks (prefill hashed them) plus one for its tail
+    and first token: 3 blocks fit a worker with 5 free (counted in 16-token blocks it would ask for 19 and wait)."""
+    balancer = BalancerService(["decode"], worker_timeout_s=1.0, route_wait_s=1.0, retry_delay_s=0.2)
+    bus = await connect(nats_url, "balancer")
+    side = await connect(nats_url, "fake-decoders")
+    got: list[DecodeJob] = []
+
+    async def take(job: DecodeJob, _: Envelope) -> None:
+        got.append(job)
+
+    small = FakeWorkers(side, "decode", free_blocks=5)
+    queue = await side.work_queue(subjects.decode_work("small"), "fake-small", DecodeJob, take)
+    try:
+        await balancer.start(bus)
+        small.alive = {"small"}
+        await until(lambda: balancer.registry.counts().get("decode") == 1, 3.0, "the decode worker to join")
+        prompt = GenerateRequest("v4", MODEL, list(range(300)), SamplingParams(max_tokens=4), arrival=time.time())
+        job = DecodeJob(prompt, first_token=7, block_hashes=[b"b0", b"b1"], tail_key=b"t", cached_tokens=0,
+                        prefill_worker="p")
+        await side.submit(subjects.ROUTE_DECODE, job, msg_id="v4:handoff")
+        await until(lambda: len(got) == 1, 5.0, "the decode job")
+        assert got[0].worker_id == "small"
+    finally:
+        await small.close()
+        await queue.stop()
+        await balancer.stop()
+        await bus.drain()
+        await side.drain()

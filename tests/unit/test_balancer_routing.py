@@ -56,7 +56,9 @@ def request(rid: str, tokens: int = 40, arrival: float = 0.0) -> GenerateRequest
 
 
 def decode_job(rid: str) -> DecodeJob:
-    return DecodeJob(request(rid), first_token=1, block_hashes=[], tail_key=b"", cached_tokens=0, prefill_worker="p")
+    # 40 prompt tokens: the two full 16-token blocks prefill hashed, and a tail
+    return DecodeJob(request(rid), first_token=1, block_hashes=[b"h0", b"h1"], tail_key=b"t", cached_tokens=0,
+                     prefill_worker="p")
 
 
 async def heartbeat(svc: BalancerService, worker: str, clock: Clock, role: str = "prefill", **load: int) -> None:

@@ -321,3 +321,12 @@ def test_quantized_tensor_without_scale(hub_dir: Path, tmp_path: Path) -> None:
 def test_unsupported_architecture(hub_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"MixtralForCausalLM.*not supported.*DeepseekV4ForCausalLM"):
         hf.load(edited(hub_dir, tmp_path, config={"architectures": ["MixtralForCausalLM"]}))
+
+
+def test_a_config_naming_only_the_model_type_loads(tmp_path: Path) -> None:
+    build(tmp_path, "mixed")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config, _ = hf.load(tmp_path)
+    assert config.arch == "deepseek_v4"

@@ -188,9 +188,15 @@ def _yarn(params: dict[str, Any], default_attention_factor: float | None) -> dic
     return yarn
 
 
+def is_deepseek_v4(raw: dict[str, Any]) -> bool:
+    """config.json's `architectures` says so, or (some exports list none) its `model_type` does."""
+    archs = raw.get("architectures") or []
+    return ARCH in archs if archs else raw.get("model_type") == "deepseek_v4"
+
+
 def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     raw = json.loads((path / "config.json").read_text())
-    if ARCH not in (raw.get("architectures") or []):
+    if not is_deepseek_v4(raw):
         raise ValueError(f"{path}: architectures {raw.get('architectures')} do not include {ARCH}")
     spec = parse_spec(raw)
     weights, sources = _canonical(_read(path))

@@ -21,7 +21,8 @@ ARCH_LOADERS: dict[str, Callable[[Path], tuple[ModelConfig, dict[str, torch.Tens
 
 def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     raw = json.loads((path / "config.json").read_text())
-    own = next((ARCH_LOADERS[a] for a in raw.get("architectures") or [] if a in ARCH_LOADERS), None)
+    archs = [deepseek_v4.ARCH] if deepseek_v4.is_deepseek_v4(raw) else raw.get("architectures") or []
+    own = next((ARCH_LOADERS[a] for a in archs if a in ARCH_LOADERS), None)
     if own is not None:
         return own(path)
     config = _config(raw, path)

@@ -1,0 +1,188 @@
+"""A DeepSeek-V4 checkpoint served through the whole mesh: `deepinfer up --model DIR` on a tiny random V4
+checkpoint with the real vocabulary (129,280), a 4,096-token context and 128-token long-term blocks.
+
+Random weights say random things, so nothing here reads the text: only its structure, that the same greedy or
+seeded request gives the same tokens every way it is asked, and token counts, which must equal what
+deepseek-recipe (the oracle, see tests/oracle/) makes of the same request body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+dr = pytest.importorskip("deepseek_recipe")
+
+from tests import v4_checkpoints  # noqa: E402
+from tests.integration.mesh import Mesh, start_mesh  # noqa: E402
+from tests.oracle.conftest import oracle_convert, oracle_encoder  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = v4_checkpoints.SERVED_NAME
+BLOCK = 128  # engine.block_tokens of this checkpoint: lcm(16, its compress ratios 4 and 128)
+CONFIG = {**v4_checkpoints.BASE, **v4_checkpoints.CONFIGS["mixed"]}
+# Bounded replay recomputes at most this many tokens before a restored prefix (the sliding-window cone)
+REPLAY_BOUND = CONFIG["num_hidden_layers"] * CONFIG["sliding_window"]
+NO_THINKING = {"thinking": {"type": "disabled"}}
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+OAI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather.",
+                                               "parameters": PARAMETERS}}]
+STORY = " ".join(f"Sentence number {i} says that the sky was blue on day {i}." for i in range(30))
+LONG = {"model": MODEL, "messages": [{"role": "user", "content": STORY + " What colour was the sky?"}],
+        "temperature": 0.0, "max_tokens": 6, "extra_body": NO_THINKING}
+ANSWERS: list[str] = []  # LONG's answer, to compare after the restart
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return v4_checkpoints.build_served(tmp_path_factory.mktemp("v4-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[Mesh]:
+    mesh = start_mesh(tmp_path_factory.mktemp("v4-mesh"), "--model", str(checkpoint))
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="test-key", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(mesh: Mesh) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=mesh.base_url, api_key="test-key", max_retries=0, timeout=120)
+
+
+def oracle_tokens(api: str, kwargs: dict[str, Any]) -> int:
+    """Prompt tokens of the body an SDK sends for `kwargs`, as deepseek-recipe renders and encodes it (V4)."""
+    body = {k: v for k, v in kwargs.items() if k != "extra_body"} | kwargs.get("extra_body", {})
+    kind, converted = oracle_convert(api, json.dumps(body, ensure_ascii=False).encode())
+    assert kind == "ok", converted
+    return len(oracle_encoder().encode(converted.conversation))
+
+
+def reasoning_of(message: Any) -> str:
+    return (message.model_extra or {}).get("reasoning_content") or ""
+
+
+# Thinking mode samples at temperature 1 whatever the request says (as DeepSeek's API does): a seed makes it
+# repeatable. Without thinking, temperature 0 is greedy.
+MODES = {"thinking-seeded": {"seed": 7}, "greedy": {"extra_body": NO_THINKING},
+         "seeded": {"temperature": 0.9, "seed": 7, "extra_body": NO_THINKING}}
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_chat_streaming_equals_non_streaming(oai: openai.OpenAI, mode: dict[str, Any]) -> None:
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 12,
+           "temperature": 0.0, **mode}
+    reply = oai.chat.completions.create(**ask)
+    message = reply.choices[0].message
+    # text came back, in the channel the mode starts in
+    assert message.content if "extra_body" in mode else reasoning_of(message)
+    usage = reply.usage
+    assert usage.prompt_tokens == oracle_tokens("chat", ask)
+    assert 0 < usage.completion_tokens <= 12 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    chunks = list(oai.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == (message.content or "")
+    assert "".join(reasoning_of(d) for d in deltas) == reasoning_of(message)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        reply.choices[0].finish_reason]
+    assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert oai.chat.completions.create(**ask).choices[0].message == message  # the same tokens, asked again
+
+
+def test_repeated_long_prompt_restores_its_blocks(oai: openai.OpenAI, mesh: Mesh) -> None:
+    first, second = oai.chat.completions.create(**LONG), oai.chat.completions.create(**LONG)
+    n = first.usage.prompt_tokens
+    assert n > 2 * BLOCK and second.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens < BLOCK  # at most the preamble the earlier tests share
+    restored = (n - 1) // BLOCK * BLOCK  # whole blocks before the last prompt token, whose logits are computed
+    assert restored - REPLAY_BOUND <= second.usage.prompt_tokens_details.cached_tokens < restored
+    assert second.choices[0].message.content == first.choices[0].message.content
+    ANSWERS.append(first.choices[0].message.content)
+    # Decode took every prompt block, the partial tail block and the short-term state from the kvcache service.
+    assert "recomputing" not in (mesh.state_dir / "logs" / "decode-0.log").read_text()
+
+
+def test_openai_tool_call_round_trip(oai: openai.OpenAI) -> None:
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": OAI_TOOLS,
+           "max_tokens": 8, "temperature": 0.0}
+    raw = oai.chat.completions.with_raw_response.create(**ask)
+    assert raw.status_code == 200
+    assert raw.parse().usage.prompt_tokens == oracle_tokens("chat", ask)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    counts = []
+    for result in ("sunny", "sunny, 24 degrees, light wind from the west, no rain expected before Friday"):
+        history = [*ask["messages"],
+                   {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": result}]
+        body = {**ask, "messages": history}
+        reply = oai.chat.completions.create(**body)
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert reply.usage.prompt_tokens == oracle_tokens("chat", body)
+        counts.append(reply.usage.prompt_tokens)
+    assert counts[1] > counts[0]  # the tool's result is part of the prompt
+
+
+def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
+    tools = [{"name": "get_weather", "description": "Current weather.", "input_schema": PARAMETERS}]
+    ask = {"model": MODEL, "max_tokens": 8, "tools": tools,
+           "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    first = claude.messages.create(**ask, extra_body={"temperature": 0})
+    assert first.stop_reason in ("end_turn", "max_tokens", "tool_use") and first.usage.output_tokens > 0
+    counts = []
+    for result in ("sunny", "sunny, 24 degrees, light wind from the west, no rain expected before Friday"):
+        messages = [*ask["messages"],
+                    {"role": "assistant", "content": [
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}]
+        body = {**ask, "messages": messages}
+        expected = oracle_tokens("messages", body)
+        counted = claude.messages.count_tokens(model=MODEL, tools=tools, messages=messages)
+        assert counted.input_tokens == expected
+        reply = claude.messages.create(**body, extra_body={"temperature": 0})
+        assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == expected
+        assert reply.content and reply.stop_reason in ("end_turn", "max_tokens", "tool_use")
+        counts.append(expected)
+    assert counts[1] > counts[0]
+
+
+def test_responses_api(oai: openai.OpenAI) -> None:
+    body = {"model": MODEL, "input": "What is the capital of France?", "max_output_tokens": 8, "temperature": 0.0,
+            "reasoning": {"effort": "none"}}
+    response = oai.responses.create(**body)
+    assert response.status in ("completed", "incomplete") and response.output_text
+    assert response.usage.input_tokens == oracle_tokens("responses", body)
+    assert 0 < response.usage.output_tokens <= 8
+    events = list(oai.responses.create(**body, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    done = events[-1].response
+    assert done.usage.input_tokens == response.usage.input_tokens
+    assert done.usage.output_tokens == response.usage.output_tokens
+
+
+def test_after_a_restart_prefill_restores_the_prompt_from_the_kvcache_service(mesh: Mesh, checkpoint: Path) -> None:
+    """Runs last: restart the mesh on its state. Prefill's own cache is empty now; the long prompt's blocks come
+    from the kvcache service's store, and prefill replays only a bounded window to rebuild the short-term state."""
+    assert mesh.stop() == 0
+    again = start_mesh(mesh.state_dir, "--model", str(checkpoint))
+    try:
+        oai = openai.OpenAI(base_url=f"{again.base_url}/v1", api_key="test-key", max_retries=0, timeout=120)
+        reply = oai.chat.completions.create(**LONG)
+        n = reply.usage.prompt_tokens
+        restored = (n - 1) // BLOCK * BLOCK
+        assert restored - REPLAY_BOUND <= reply.usage.prompt_tokens_details.cached_tokens < restored
+        assert [reply.choices[0].message.content] == ANSWERS
+    finally:
+        again.stop()
