@@ -90,7 +90,12 @@ class EngineWorker(ABC):
         self._tasks.append(asyncio.create_task(self._load_then_serve()))
 
     def health(self) -> tuple[bool, str]:
-        return self.engine is not None and self._queue is not None, self._status
+        ready = self.engine is not None and self._queue is not None
+        if ready and self.engine is not None and self.worker.speculative_tokens:
+            stats = self.engine.engine.stats()
+            rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+            return True, f"{self._status}; MTP drafts {stats.drafted}, accepted {stats.accepted} ({rate:.0%})"
+        return ready, self._status
 
     async def stop(self) -> None:
         if self._queue is not None:

@@ -38,3 +38,5 @@ class EngineStats:
     waiting: int
     queued_tokens: int  # tokens of admitted or waiting prompts whose KV is not computed yet
     held: int = 0  # finished hold_kv requests still holding blocks
+    drafted: int = 0  # speculative drafts proposed so far (MTP)
+    accepted: int = 0  # ... and accepted: the acceptance rate is accepted / drafted

@@ -253,6 +253,8 @@ class Engine:
             waiting=len(s.waiting),
             queued_tokens=s.queued_tokens(),
             held=len(s.held),
+            drafted=self.spec_drafted,
+            accepted=self.spec_accepted,
         )
 
     # --- internals --------------------------------------------------------------------------------------------

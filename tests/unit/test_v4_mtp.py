@@ -74,6 +74,8 @@ def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path) -> None
             got[o.request_id] += o.token_ids
     assert got == plain
     assert 0 < engine.spec_accepted < engine.spec_drafted  # some accepted, some rolled back
+    stats = engine.stats()  # what the worker reports as its MTP acceptance rate
+    assert (stats.drafted, stats.accepted) == (engine.spec_drafted, engine.spec_accepted)
     assert steps < 14 + 3  # fewer steps than one token per step would take (prefill chunks included)
 
 
