@@ -15,6 +15,10 @@ never exceptions.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+
+# what a prefix index outside the engine hears: ("stored" | "removed", chained hashes), in the order it happened
+BlockListener = Callable[[str, list[bytes]], None]
 
 
 class BlockManager:
@@ -27,6 +31,7 @@ class BlockManager:
         self._hash: list[bytes | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.listener: BlockListener | None = None  # told when a hash becomes findable here, or stops being
 
     @property
     def num_free(self) -> int:
@@ -92,6 +97,12 @@ class BlockManager:
         if self._hash[block] is None and h not in self._by_hash:
             self._hash[block] = h
             self._by_hash[h] = block
+            if self.listener is not None:
+                self.listener("stored", [h])
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash findable here now (a snapshot for a prefix index that lost track)."""
+        return list(self._by_hash)
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]
@@ -101,3 +112,5 @@ class BlockManager:
         if h is not None:
             del self._by_hash[h]
             self._hash[block] = None
+            if self.listener is not None:
+                self.listener("removed", [h])

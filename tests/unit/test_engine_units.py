@@ -190,3 +190,16 @@ def test_kv_blob_roundtrip_and_size_check() -> None:
     with pytest.raises(ValueError):
         other.write_blocks([0], [blobs[0][:-1]])
     assert kv.export_state("x") == b"" and spec.per_request_state_bytes == 0
+
+
+def test_block_manager_tells_its_listener_what_becomes_findable() -> None:
+    bm = BlockManager(2, 16)
+    heard: list[tuple[str, list[bytes]]] = []
+    bm.listener = lambda op, hashes: heard.append((op, hashes))
+    (a,) = bm.allocate(1)
+    bm.publish(a, b"h-a")
+    bm.publish(a, b"h-a")  # already findable: nothing new
+    bm.free([a])
+    assert heard == [("stored", [b"h-a"])] and bm.cached_hashes() == [b"h-a"]
+    bm.allocate(2)  # both blocks taken: the cached one is overwritten
+    assert heard[-1] == ("removed", [b"h-a"]) and bm.cached_hashes() == []
