@@ -130,7 +130,8 @@ class EngineWorker(ABC):
             return
         self.engine = AsyncEngine(engine)
         self.engine.start()
-        log.info("loaded %s in %.1fs", self.model_name, time.monotonic() - started)
+        log.info("loaded %s in %.1fs on %s (%s)", self.model_name, time.monotonic() - started, engine.device,
+                 str(engine.dtype).removeprefix("torch."))
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         self._tasks.append(asyncio.create_task(self._heartbeat()))
         self._queue = await self.bus.work_queue(
