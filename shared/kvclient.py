@@ -47,6 +47,18 @@ class KvClient:
             run.append(blob)
         return run
 
+    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each key's blob, or None where absent (or the store is unreachable): one request for all of them,
+        for small entries (the reply must fit one message)."""
+        if not keys:
+            return []
+        try:
+            reply = await self._bus.request(subjects.KV_GET, KvGet(keys), KvGetReply, timeout=self._timeout)
+        except BusTimeout as exc:
+            log.warning("kv get failed: %s", exc)
+            return [None] * len(keys)
+        return [*reply.blobs, *[None] * (len(keys) - len(reply.blobs))][: len(keys)]
+
     async def _get_one(self, key: bytes) -> bytes | None:
         try:
             reply = await self._bus.request(subjects.KV_GET, KvGet([key]), KvGetReply, timeout=self._timeout)
@@ -69,46 +81,35 @@ class KvClient:
         return reply.stored
 
 
-def tail_key(request_id: str) -> bytes:
-    """Short-term key of a request's partial last prompt block (never shared, so not a chained hash)."""
-    return b"tail:" + request_id.encode()
+# --- big short-term blobs, in parts ---------------------------------------------------------------------------
+# A snapshot (shared/short_term.py) holds DeepSeek-V4's rings: megabytes (V4-Flash in bfloat16: 12.6 MiB, over
+# NATS's payload limit), so it travels in parts that each fit one message.
 
 
-def state_key(request_id: str) -> bytes:
-    """Short-term key of a request's per-request model state at the end of its prompt (V4's sliding-window
-    rings and compressor tails; Llama has none)."""
-    return b"state:" + request_id.encode()
-
-
-# --- a request's short-term model state, in parts -----------------------------------------------------------
-# DeepSeek-V4's rings are megabytes (V4-Flash in bfloat16: 12.6 MiB, over NATS's payload limit), so the blob
-# travels in parts that each fit one message.
-
-
-def state_part_key(key: bytes, i: int) -> bytes:
+def part_key(key: bytes, i: int) -> bytes:
     return key if i == 0 else key + b"#%d" % i
 
 
-def state_parts(key: bytes, blob: bytes, part_bytes: int) -> list[tuple[bytes, bytes]]:
+def split_parts(key: bytes, blob: bytes, part_bytes: int) -> list[tuple[bytes, bytes]]:
     """`blob` as (key, bytes) parts of `part_bytes` (the last one shorter; part 0 also has the 4-byte count)."""
     assert part_bytes > 0
     chunks = [blob[at : at + part_bytes] for at in range(0, len(blob), part_bytes)] or [b""]
     chunks[0] = _PART_COUNT.pack(len(chunks)) + chunks[0]
-    return [(state_part_key(key, i), chunk) for i, chunk in enumerate(chunks)]
+    return [(part_key(key, i), chunk) for i, chunk in enumerate(chunks)]
 
 
-async def put_state(kv: KvClient, key: bytes, blob: bytes, part_bytes: int) -> bool:
-    """Store a request's short-term state under `key` (short-term TTL); True when every part was stored."""
-    return await kv.put_many(state_parts(key, blob, part_bytes), ttl_s=SHORT_TERM_TTL_S)
+async def put_parts(kv: KvClient, key: bytes, blob: bytes, part_bytes: int) -> bool:
+    """Store `blob` under `key` in parts (short-term TTL); True when every part was stored."""
+    return await kv.put_many(split_parts(key, blob, part_bytes), ttl_s=SHORT_TERM_TTL_S)
 
 
-async def get_state(kv: KvClient, key: bytes) -> tuple[bytes, list[bytes]]:
-    """(the blob put_state stored under `key`, b"" if any part is missing; the keys of its parts, to delete)."""
+async def get_parts(kv: KvClient, key: bytes) -> tuple[bytes, list[bytes]]:
+    """(the blob put_parts stored under `key`, b"" if any part is missing; the keys of its parts, to delete)."""
     first = await kv.get_run([key])
     if not first or len(first[0]) < _PART_COUNT.size:
         return b"", [key]
     (n,) = _PART_COUNT.unpack_from(first[0])
-    keys = [state_part_key(key, i) for i in range(max(n, 1))]
+    keys = [part_key(key, i) for i in range(max(n, 1))]
     rest = await kv.get_run(keys[1:])
     if len(rest) < n - 1:
         return b"", keys

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from shared import subjects
+from shared import short_term, subjects
 from shared.bus import Bus, Envelope, WorkQueue
 from shared.config import ServiceConfig
 from shared.engine.async_engine import AsyncEngine
@@ -176,9 +176,30 @@ class EngineWorker(ABC):
             await self.engine.abort(cancel.request_id)
 
     def state_part_bytes(self) -> int:
-        """The largest state part one message carries."""
+        """The largest part of a snapshot one message carries."""
         assert self.bus is not None
         return self.bus.max_payload - STATE_PART_OVERHEAD
+
+    async def store_kv(self, request_id: str, tokens: list[int], ns: bytes, hashes: list[bytes], stored: int
+                       ) -> bytes:
+        """Put a held request's KV of `tokens` (all computed) in the kvcache service: its full blocks from block
+        `stored` on (long-term, under `hashes`), and a snapshot at the end (short-term: the partial block and
+        the model's state). Returns the snapshot's key, b"" when there was nothing beyond full blocks."""
+        assert self.engine is not None and self.kv is not None
+        engine = self.engine.engine
+        block = engine.block_tokens
+        full = len(tokens) // block
+        if full > stored:
+            blobs = await self.engine.call(engine.export_blocks, request_id, stored, full)
+            await self.kv.put_many(list(zip(hashes[stored:full], blobs)))
+        tail = b""
+        if len(tokens) % block:
+            (tail,) = await self.engine.call(engine.export_blocks, request_id, full, full + 1)
+        state = await self.engine.call(engine.export_state, request_id) if engine.has_request_state else b""
+        if not tail and not state:
+            return b""
+        snap = short_term.Snapshot(len(tokens), tail, state)
+        return await short_term.save(self.kv, tokens, ns, hashes, block, snap, self.state_part_bytes())
 
     async def publish_tokens(self, event: TokenEvent, env: Envelope) -> None:
         assert self.bus is not None

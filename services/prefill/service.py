@@ -1,10 +1,10 @@
 """The prefill worker: prompt in, first token and the prompt's KV out.
 
-For each job: look up the longest run of the prompt's blocks already in the kvcache service, import those,
-compute the rest (chunked, batched with other prompts), sample the first token and send it to the client at
-once, then store the new full blocks under their chained hashes, the partial last block and the model's
-per-request state (V4's rings, in parts: see shared/kvclient.py) under short-term per-request keys, and hand the
-request to the decode balancer.
+For each job: find what the kvcache service already has of the prompt (the longest run of full blocks, and the
+longest short-term snapshot on top of it: a previous turn's end, shared/short_term.py), import that, compute the
+rest (chunked, batched with other prompts), sample the first token and send it to the client at once, then
+store the new full blocks under their chained hashes and a snapshot at the prompt's end (partial last block +
+the model's per-request state), and hand the request to the decode balancer.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from shared import hashing, subjects
+from shared import hashing, short_term, subjects
 from shared.bus import Envelope
 from shared.engine.engine import EngineRequest
-from shared.kvclient import SHORT_TERM_TTL_S, put_state, state_key, tail_key
 from shared.schemas.generate import DecodeJob, PrefillJob, TokenEvent
 from shared.worker import EngineWorker
 
@@ -28,13 +27,13 @@ class PrefillService(EngineWorker):
 
     async def handle(self, job: PrefillJob, env: Envelope) -> None:
         assert self.engine is not None and self.kv is not None and self.bus is not None
+        engine = self.engine.engine
         req = job.request
         prompt = req.prompt_ids
-        block = self.engine.engine.block_tokens
-        hashes = hashing.block_hashes(prompt, hashing.namespace(self.engine.engine.cache_id, req.cache_salt), block)
-        # The last prompt token is always computed: its logits give the first token.
-        usable = min(await self.kv.lookup(hashes), (len(prompt) - 1) // block)
-        cached = await self.kv.get_run(hashes[:usable])
+        block = engine.block_tokens
+        ns = hashing.namespace(engine.cache_id, req.cache_salt)
+        hashes = hashing.block_hashes(prompt, ns, block)
+        prefix, prefix_tokens, state = await self._restore(prompt, ns, hashes)
         engine_req = EngineRequest(
             request_id=req.request_id,
             cache_salt=req.cache_salt,
@@ -42,8 +41,9 @@ class PrefillService(EngineWorker):
             sampling=req.sampling,
             max_new_tokens=1,
             output_offset=0,
-            prefix_blocks=cached,
-            prefix_tokens=len(cached) * block,
+            prefix_blocks=prefix,
+            prefix_tokens=prefix_tokens,
+            prefix_state=state,
             hold_kv=True,
         )
         first = None
@@ -70,29 +70,36 @@ class PrefillService(EngineWorker):
             if finished:
                 return
             started = time.monotonic()
-            full = len(hashes)
-            blobs = await self.engine.call(self.engine.engine.export_blocks, req.request_id, len(cached), full)
-            await self.kv.put_many(list(zip(hashes[len(cached) : full], blobs)))
-            tail = b""
-            if len(prompt) % block:
-                tail = tail_key(req.request_id)
-                (tail_blob,) = await self.engine.call(self.engine.engine.export_blocks, req.request_id, full, full + 1)
-                await self.kv.put_many([(tail, tail_blob)], ttl_s=SHORT_TERM_TTL_S)
-            state = b""
-            if self.engine.engine.has_request_state:
-                state = state_key(req.request_id)
-                blob = await self.engine.call(self.engine.engine.export_state, req.request_id)
-                await put_state(self.kv, state, blob, self.state_part_bytes())
-            log.debug("%s: stored %d blocks in %.3fs", req.request_id, full - len(cached), time.monotonic() - started)
+            stored = prefix_tokens // block  # full blocks that came from the store
+            key = await self.store_kv(req.request_id, prompt, ns, hashes, stored)
+            log.debug("%s: stored %d blocks in %.3fs", req.request_id, len(hashes) - stored,
+                      time.monotonic() - started)
         finally:
-            await self.engine.call(self.engine.engine.release, req.request_id)
+            await self.engine.call(engine.release, req.request_id)
         handoff = DecodeJob(
             request=req,
             first_token=token,
             block_hashes=hashes,
-            tail_key=tail,
-            state_key=state,
+            snapshot_key=key,
             cached_tokens=first.num_cached_tokens,
             prefill_worker=self.config.instance,
         )
         await self.bus.submit(subjects.ROUTE_DECODE, handoff, msg_id=f"{req.request_id}:handoff")
+
+    async def _restore(self, prompt: list[int], ns: bytes, hashes: list[bytes]) -> tuple[list[bytes], int, bytes]:
+        """(blobs, tokens they cover, model state) of the longest prefix the store can give back. The last
+        prompt token is always computed: its logits give the first token."""
+        assert self.engine is not None and self.kv is not None
+        engine = self.engine.engine
+        block = engine.block_tokens
+        run = min(await self.kv.lookup(hashes), (len(prompt) - 1) // block)
+        found = await short_term.find(self.kv, prompt, ns, hashes[:run], block, len(prompt) - 1)
+        # blocks alone resume at run * block, less the replay that rebuilds a model's short-term state
+        if found is not None and found[0].length > run * block - (engine.replay_tokens if run else 0):
+            snap = found[0]
+            full = snap.length // block
+            blobs = await self.kv.get_run(hashes[:full])
+            if len(blobs) == full:
+                return blobs + ([snap.tail] if snap.tail else []), snap.length, snap.state
+        blobs = await self.kv.get_run(hashes[:run])
+        return blobs, len(blobs) * block, b""

@@ -236,8 +236,14 @@ class Engine:
         return self.kv.read_blocks(seq.block_table[start:end])
 
     def export_state(self, request_id: str) -> bytes:
-        self._live(request_id)
-        return self.kv.export_state(request_id)
+        """The request's short-term state after its computed tokens (b"" for models without one)."""
+        seq = self._live(request_id)
+        return self.kv.export_state(request_id, seq.num_computed)
+
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens recomputed before a prefix restored without its short-term state (0: nothing to rebuild)."""
+        return getattr(self.kv, "replay_tokens", 0)
 
     # --- introspection ----------------------------------------------------------------------------------------
 

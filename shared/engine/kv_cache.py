@@ -128,8 +128,8 @@ class KVCache:
 
     # --- short-term per-request state (empty for Llama) -------------------------------------------------------
 
-    def export_state(self, request_id: str) -> bytes:
-        assert self.spec.per_request_state_bytes == 0, "per-request state arrives with DeepSeek-V4"
+    def export_state(self, request_id: str, length: int) -> bytes:
+        assert self.spec.per_request_state_bytes == 0, "Llama keeps no per-request state"
         return b""
 
     def import_state(self, request_id: str, state: bytes) -> None:

@@ -38,20 +38,18 @@ class PrefillJob:
 class DecodeJob:
     """prefill worker -> balancer -> decode worker.
 
-    The prompt's KV is in the kvcache service: full blocks under `block_hashes` (the shared chained hash), the
-    partial last block under `tail_key` and the model's per-request state under `state_key` (both short-term,
-    per request). `first_token` was sampled by prefill.
+    The prompt's KV is in the kvcache service: full blocks under `block_hashes` (the shared chained hash), and a
+    short-term snapshot at the prompt's end under `snapshot_key` (the partial last block and the model's
+    per-request state: shared/short_term.py; b"" = none stored). `first_token` was sampled by prefill.
     """
 
     request: GenerateRequest
     first_token: int
     block_hashes: list[bytes]
-    tail_key: bytes
+    snapshot_key: bytes
     cached_tokens: int
     prefill_worker: str
     worker_id: str = ""  # filled by the decode balancer
-    rng_state: bytes = b""  # sampler generator state after the first token (seeded requests stay exact)
-    state_key: bytes = b""  # short-term per-request model state at the prompt's end (V4), if the model has any
 
 
 @dataclass(frozen=True)

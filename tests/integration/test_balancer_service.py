@@ -136,7 +136,7 @@ async def test_decode_routing_picks_the_worker_with_room(nats_url: str) -> None:
         roomy.alive, cramped.alive = {"roomy"}, {"cramped"}
         await until(lambda: balancer.registry.counts().get("decode") == 2, 3.0, "decode workers to join")
         job = DecodeJob(
-            request("d0"), first_token=7, block_hashes=[], tail_key=b"", cached_tokens=0, prefill_worker="p"
+            request("d0"), first_token=7, block_hashes=[], snapshot_key=b"", cached_tokens=0, prefill_worker="p"
         )
         await side.submit(subjects.ROUTE_DECODE, job, msg_id="d0:handoff")
         await until(lambda: len(got) == 1, 5.0, "the decode job")
@@ -168,7 +168,7 @@ async def test_decode_demand_is_counted_in_the_models_own_blocks(nats_url: str) 
         small.alive = {"small"}
         await until(lambda: balancer.registry.counts().get("decode") == 1, 3.0, "the decode worker to join")
         prompt = GenerateRequest("v4", MODEL, list(range(300)), SamplingParams(max_tokens=4), arrival=time.time())
-        job = DecodeJob(prompt, first_token=7, block_hashes=[b"b0", b"b1"], tail_key=b"t", cached_tokens=0,
+        job = DecodeJob(prompt, first_token=7, block_hashes=[b"b0", b"b1"], snapshot_key=b"s", cached_tokens=0,
                         prefill_worker="p")
         await side.submit(subjects.ROUTE_DECODE, job, msg_id="v4:handoff")
         await until(lambda: len(got) == 1, 5.0, "the decode job")

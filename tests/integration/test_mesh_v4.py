@@ -172,6 +172,45 @@ def test_responses_api(oai: openai.OpenAI) -> None:
     assert done.usage.output_tokens == response.usage.output_tokens
 
 
+def test_a_follow_up_turn_resumes_from_the_previous_turns_end(oai: openai.OpenAI, mesh: Mesh) -> None:
+    """The decode worker stores the output's blocks and a snapshot (partial block + rings) at its end; the next
+    turn, whose prompt starts with the whole first turn, computes only what is new."""
+    import asyncio
+    import random
+
+    from shared import subjects
+    from shared.bus import Bus
+    from shared.schemas.generate import TokenEvent
+
+    rng = random.Random(5)
+    turn1 = [rng.randrange(1000, 100_000) for _ in range(300)]
+    events: list[TokenEvent] = []
+
+    async def first_turn() -> Any:
+        bus = await Bus.connect(mesh.nats_url, "test-tokens")
+
+        async def on_event(event: TokenEvent, _env: Any) -> None:
+            events.append(event)
+
+        await bus.subscribe("tokens.>", TokenEvent, on_event)
+        try:
+            return await asyncio.to_thread(oai.completions.create, model=MODEL, prompt=turn1, max_tokens=20,
+                                           temperature=0.0)
+        finally:
+            await asyncio.sleep(0.5)
+            await bus.drain()
+
+    first = asyncio.run(first_turn())
+    rid = first.id.removeprefix("cmpl-")
+    output = [t for e in sorted((e for e in events if e.request_id == rid), key=lambda e: e.index)
+              for t in e.token_ids]
+    assert len(output) == first.usage.completion_tokens > 1
+    follow = turn1 + output + [rng.randrange(1000, 100_000) for _ in range(30)]
+    second = oai.completions.create(model=MODEL, prompt=follow, max_tokens=4, temperature=0.0)
+    # everything up to the first turn's last token (sampled, never computed) came back from the snapshot
+    assert second.usage.prompt_tokens_details.cached_tokens == len(turn1) + len(output) - 1
+
+
 def test_after_a_restart_prefill_restores_the_prompt_from_the_kvcache_service(mesh: Mesh, checkpoint: Path) -> None:
     """Runs last: restart the mesh on its state. Prefill's own cache is empty now; the long prompt's blocks come
     from the kvcache service's store, and prefill replays only a bounded window to rebuild the short-term state."""

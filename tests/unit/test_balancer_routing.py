@@ -57,7 +57,7 @@ def request(rid: str, tokens: int = 40, arrival: float = 0.0) -> GenerateRequest
 
 def decode_job(rid: str) -> DecodeJob:
     # 40 prompt tokens: the two full 16-token blocks prefill hashed, and a tail
-    return DecodeJob(request(rid), first_token=1, block_hashes=[b"h0", b"h1"], tail_key=b"t", cached_tokens=0,
+    return DecodeJob(request(rid), first_token=1, block_hashes=[b"h0", b"h1"], snapshot_key=b"s", cached_tokens=0,
                      prefill_worker="p")
 
 

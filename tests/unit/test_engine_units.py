@@ -189,7 +189,7 @@ def test_kv_blob_roundtrip_and_size_check() -> None:
     assert torch.equal(other.kv[:, :, 1], kv.kv[:, :, 2]) and torch.equal(other.kv[:, :, 0], kv.kv[:, :, 0])
     with pytest.raises(ValueError):
         other.write_blocks([0], [blobs[0][:-1]])
-    assert kv.export_state("x") == b"" and spec.per_request_state_bytes == 0
+    assert kv.export_state("x", 0) == b"" and spec.per_request_state_bytes == 0
 
 
 def test_block_manager_tells_its_listener_what_becomes_findable() -> None:

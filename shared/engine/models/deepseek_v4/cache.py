@@ -158,8 +158,10 @@ class V4Cache:
 
     # --- short-term state as bytes ----------------------------------------------------------------------------
 
-    def export_state(self, request_id: str) -> bytes:
-        state = self.states[request_id]
+    def export_state(self, request_id: str, length: int) -> bytes:
+        """The state after `length` tokens (a token computed past it, e.g. the overlapped scheduler's taken-back
+        one, is rolled back first)."""
+        state = self.state(request_id, length)
         header = np.array([state.length, state.begin, state.mtp_length], dtype=np.int64).tobytes()
         flat = torch.cat([t.flatten() for t in state.tensors()]).cpu().contiguous()
         return header + flat.view(torch.uint8).numpy().tobytes()
