@@ -9,7 +9,9 @@ that holds key k holds exactly that prefix's KV.
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
+from array import array
+from collections.abc import Sequence
 
 BLOCK_TOKENS = 16  # tokens per KV block (Llama family); an engine may use a multiple (DeepSeek-V4: 128)
 DIGEST_BYTES = 16
@@ -20,17 +22,29 @@ def namespace(cache_id: str, salt: str = "") -> bytes:
     return hashlib.blake2b(f"{cache_id}\x00{salt}".encode(), digest_size=DIGEST_BYTES).digest()
 
 
-def block_hashes(token_ids: list[int], ns: bytes, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
-    """Keys of every full block of `token_ids`, in order."""
+def block_hashes(token_ids: Sequence[int], ns: bytes, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
+    """Keys of every full block of `token_ids` (a list, or a numpy integer array), in order."""
+    data = _token_bytes(token_ids)
+    step = 8 * block_tokens
     keys: list[bytes] = []
     parent = ns
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        block = token_ids[start : start + block_tokens]
+    for start in range(0, len(data) - step + 1, step):
         h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
-        h.update(struct.pack(f"<{len(block)}q", *block))
+        h.update(data[start : start + step])
         parent = h.digest()
         keys.append(parent)
     return keys
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """The ids as little-endian int64s, the bytes a block's key covers."""
+    as_type = getattr(token_ids, "astype", None)
+    if as_type is not None:  # numpy: one conversion, no Python ints
+        return as_type("<i8", copy=False).tobytes()
+    packed = array("q", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def full_blocks(num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
