@@ -13,7 +13,16 @@ import struct
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
-from shared.schemas.kv import KvGet, KvGetReply, KvLookup, KvLookupReply, KvPut, KvPutReply
+from shared.schemas.kv import (
+    KvGet,
+    KvGetReply,
+    KvLookup,
+    KvLookupReply,
+    KvPut,
+    KvPutReply,
+    KvStats,
+    KvStatsReply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,27 @@ class KvClient:
             log.warning("kv lookup failed, recomputing: %s", exc)
             return 0
         return reply.hits
+
+    async def lookup_run(self, hashes: list[bytes], lease_s: float = 0.0) -> KvLookupReply:
+        """The stored prefix run of `hashes` and how it splits over the store's tiers; with `lease_s` > 0 the run
+        is kept from eviction that long (capped by the service), so the gets that follow find it. A miss
+        (hits 0) when the store is unreachable."""
+        if not hashes:
+            return KvLookupReply(hits=0)
+        try:
+            return await self._bus.request(
+                subjects.KV_LOOKUP, KvLookup(hashes, lease_s), KvLookupReply, timeout=self._timeout
+            )
+        except BusTimeout as exc:
+            log.warning("kv lookup failed, recomputing: %s", exc)
+            return KvLookupReply(hits=0)
+
+    async def stats(self) -> KvStatsReply | None:
+        """One kvcache instance's tier counters, or None when none answers."""
+        try:
+            return await self._bus.request(subjects.KV_STATS, KvStats(), KvStatsReply, timeout=self._timeout)
+        except BusTimeout:
+            return None
 
     async def get_run(self, keys: list[bytes]) -> list[bytes]:
         """The blobs of `keys` up to (not including) the first one missing."""

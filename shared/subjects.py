@@ -6,6 +6,7 @@
     balancer --work.decode.<worker> (JetStream)--> decode --kv.get--> kvcache
     decode --tokens.<rid> (core)--> recipe --events.<rid> (core)--> gateway
     anyone --requests.cancel (core, broadcast)--> everyone holding state for the request
+    prefill/decode/kvcache --kv.events.<source> (core)--> balancer --kv.snapshot.<source> (req/reply)--> source
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ KV_LOOKUP = "kv.lookup"
 KV_GET = "kv.get"
 KV_PUT = "kv.put"
 KV_DELETE = "kv.delete"
+KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
+
+
+def kv_snapshot(source: str) -> str:
+    """KvSnapshotRequest -> KvSnapshot: every hash a KV event source holds (shared/schemas/events.py)."""
+    return f"kv.snapshot.{source}"
 
 
 def health(service: str) -> str:
@@ -42,6 +49,11 @@ def health(service: str) -> str:
 HEARTBEAT = "workers.heartbeat"
 WORKER_DONE = "workers.done"  # RequestDone: a request left a worker (the balancer forgets the assignment)
 CANCEL = "requests.cancel"
+KV_EVENTS_ALL = "kv.events.>"  # KvEvent from every source
+
+
+def kv_events(source: str) -> str:
+    return f"kv.events.{source}"
 
 
 def tokens(request_id: str) -> str:

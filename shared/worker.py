@@ -23,8 +23,10 @@ from shared.config import ServiceConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.device import default_device
 from shared.engine.engine import Engine
+from shared.kv_events import EventPublisher
 from shared.kvclient import KvClient
 from shared.models import resolve
+from shared.schemas.events import TIER_LOCAL
 from shared.schemas.generate import Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
@@ -81,6 +83,7 @@ class EngineWorker(ABC):
         self._status = "loading model"
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: WorkQueue | None = None
+        self.kv_events: EventPublisher | None = None  # the local prefix cache's changes, for the balancers
 
     # --- Service protocol ---------------------------------------------------------------------------------------
 
@@ -106,6 +109,8 @@ class EngineWorker(ABC):
             for request_id in list(self.active):
                 await self.engine.abort(request_id)
             await self.engine.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     # --- internals ----------------------------------------------------------------------------------------------
 
@@ -129,6 +134,7 @@ class EngineWorker(ABC):
             os.kill(os.getpid(), signal.SIGTERM)  # a worker without a model has nothing to offer: exit
             return
         self.engine = AsyncEngine(engine)
+        await self._publish_kv_events(engine, self.engine)
         self.engine.start()
         log.info("loaded %s in %.1fs on %s (%s)", self.model_name, time.monotonic() - started, engine.device,
                  str(engine.dtype).removeprefix("torch."))
@@ -143,6 +149,15 @@ class EngineWorker(ABC):
             ack_wait=30.0,
         )
         self._status = "ready"
+
+    async def _publish_kv_events(self, engine: Engine, runner: AsyncEngine) -> None:
+        """Tell the balancers what the local prefix cache holds: its changes as they happen (the listener runs on
+        the engine thread; the publisher buffers and sends from the event loop), and snapshots taken on the
+        engine thread, between steps, so no change slips between the hashes and their seq."""
+        assert self.bus is not None
+        events = self.kv_events = EventPublisher(self.bus, self.config.instance)
+        engine.blocks.listener = lambda op, hashes: events.record(op, TIER_LOCAL, hashes)
+        await events.serve_snapshots(lambda: {TIER_LOCAL: engine.blocks.cached_hashes()}, run=runner.call)
 
     def work_subject(self) -> str:
         if self.role == "prefill":
@@ -217,6 +232,8 @@ class EngineWorker(ABC):
                 running=stats.running + stats.waiting,
                 free_blocks=stats.free_blocks,
                 total_blocks=stats.total_blocks,
+                cache_id=self.engine.engine.cache_id,
+                block_tokens=self.engine.engine.block_tokens,
                 sent_at=time.time(),
             )
             try:

@@ -33,6 +33,8 @@ class WorkerLoad:
     pending_tokens: int = 0  # assigned by this balancer since the heartbeat was sent
     pending_requests: int = 0
     pending_blocks: int = 0
+    cache_id: str = ""  # how it names KV blocks (shared/hashing.py); "" = unknown
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class _Worker:
             pending_tokens=sum(p.tokens for p in self.pending),
             pending_requests=len(self.pending),
             pending_blocks=sum(p.blocks for p in self.pending),
+            cache_id=b.cache_id,
+            block_tokens=b.block_tokens,
         )
 
 

@@ -1,7 +1,9 @@
 """The balancer: routes each role's jobs from its route queue to one worker's work queue.
 
-    workers --workers.heartbeat--> registry            (who is alive, how loaded)
-    route queue --job--> policy(snapshot, demand) --> submit to work.<role>.<worker>, remember the assignment
+    workers --workers.heartbeat--> registry            (who is alive, how loaded, how it names KV blocks)
+    caches --kv.events.>--> prefix index               (who holds which blocks; a gap -> kv.snapshot.<source>)
+    route queue --job--> role.demand(job, candidates)   (prefill: each worker's cached prefix; decode: affinity)
+        --> policy(candidates, demand) --> submit to work.<role>.<worker>, remember the assignment
     no worker: Retry (nak with delay) until `route_wait_s` has passed, then a 503 error TokenEvent
     worker silent for `worker_timeout_s`: it leaves the pool; its prefill jobs go to another worker, its decode
         jobs fail with a 503 TokenEvent (the generated tokens were only on that worker)
@@ -19,18 +21,20 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
 from nats.aio.subscription import Subscription
 
+from services.balancer.affinity import SessionAffinity
 from services.balancer.assignments import Assignment, Assignments
-from services.balancer.policies import POLICIES, Policy
+from services.balancer.policies import POLICIES, Policy, PolicySettings
 from services.balancer.registry import WorkerRegistry
-from services.balancer.roles import ROLES, Role
+from services.balancer.roles import ROLES, Role, RoleContext
 from shared import subjects, tracing
 from shared.bus import Bus, Envelope, Retry, WorkQueue
+from shared.kv_events import KvEventFeed, PrefixIndex
 from shared.schemas.generate import Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
@@ -50,6 +54,9 @@ class BalancerService:
         concurrency: int = 16,
         max_reroutes: int = 2,
         assignment_ttl_s: float | None = None,
+        policies: Mapping[str, str] | None = None,
+        policy_settings: PolicySettings = PolicySettings(),
+        affinity_ttl_s: float = 300.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         unknown = [r for r in roles if r not in ROLES]
@@ -57,8 +64,16 @@ class BalancerService:
             raise ValueError(f"roles must be some of {sorted(ROLES)}, got {list(roles)}")
         if worker_timeout_s <= 0 or route_wait_s < 0 or retry_delay_s <= 0 or concurrency < 1:
             raise ValueError("timeouts, delays and concurrency must be positive")
-        self._roles: dict[str, Role[Any]] = {name: ROLES[name]() for name in roles}
-        self._policies: dict[str, Policy] = {n: POLICIES[r.policy]() for n, r in self._roles.items()}
+        chosen = dict(policies or {})
+        if any(p not in POLICIES for p in chosen.values()):
+            raise ValueError(f"policies must be some of {sorted(POLICIES)}, got {chosen}")
+        self.index = PrefixIndex()
+        self.affinity = SessionAffinity(affinity_ttl_s)
+        context = RoleContext(self.index, self.affinity)
+        self._roles: dict[str, Role[Any]] = {name: ROLES[name](context) for name in roles}
+        self._policies: dict[str, Policy] = {
+            n: POLICIES[chosen.get(n, r.policy)](policy_settings) for n, r in self._roles.items()
+        }
         self.registry = WorkerRegistry(worker_timeout_s)
         self.assignments = Assignments()
         self._route_wait_s = route_wait_s
@@ -72,6 +87,7 @@ class BalancerService:
         self._bus: Bus | None = None
         self._queues: list[WorkQueue] = []
         self._subs: list[Subscription] = []
+        self._feed: KvEventFeed | None = None
         self._reaper: asyncio.Task[None] | None = None
 
     # --- Service protocol --------------------------------------------------------------------------------------
@@ -83,6 +99,9 @@ class BalancerService:
             await bus.subscribe(subjects.WORKER_DONE, RequestDone, self._on_done),
             await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
         ]
+        if "prefill" in self._roles:  # only prefill placement reads the caches' holdings
+            self._feed = KvEventFeed(bus, self.index, clock=self._clock)
+            await self._feed.start()
         # Every Retry is a delivery: allow enough of them to wait out `route_wait_s`, plus a few real failures.
         max_deliver = math.ceil(self._route_wait_s / self._retry_delay_s) + 10
         for role in self._roles.values():
@@ -105,6 +124,8 @@ class BalancerService:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs = []
+        if self._feed is not None:
+            await self._feed.stop()
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
@@ -114,7 +135,9 @@ class BalancerService:
             "roles": list(self._roles),
             "workers": self.registry.counts(),
             "assignments": len(self.assignments),
+            "kv_sources": len(self.index.sources()),
             **self.stats,
+            **({f"kv_{k}": v for k, v in self._feed.stats.items()} if self._feed is not None else {}),
         }
         return self._bus is not None, orjson.dumps(detail).decode()
 
@@ -152,12 +175,13 @@ class BalancerService:
         """Choose a worker and hand it the job; None when no worker can take it now."""
         assert self._bus is not None
         request = role.request(job)
-        demand = role.demand(job)
-        choice = self._policies[role.name].choose(self.registry.candidates(role.name, request.model, now), demand)
+        workers = self.registry.candidates(role.name, request.model, now)
+        demand = role.demand(job, workers, now)
+        choice = self._policies[role.name].choose(workers, demand)
         if choice is None:
             return None
         worker = choice.worker_id
-        pending = self.registry.assign(worker, demand.prompt_tokens, demand.blocks_needed, now)
+        pending = self.registry.assign(worker, demand.uncached(worker), demand.blocks_needed, now)
         ttl = self._ttl_override if self._ttl_override is not None else role.assignment_ttl_s
         assignment = Assignment(
             request_id=request.request_id,
@@ -179,7 +203,15 @@ class BalancerService:
                 self.registry.unassign(worker, pending)
             self.assignments.drop(request.request_id, role.name, worker)
             raise
+        role.placed(job, worker, now)
         self.stats[f"routed_{role.name}"] += 1
+        # prompt tokens the chosen worker found in its own cache / would load from the store (hit ratios)
+        if local := demand.local(worker):
+            self.stats[f"local_hit_tokens_{role.name}"] += local
+        if stored := sum(demand.store_tokens.get(worker, {}).values()):
+            self.stats[f"store_hit_tokens_{role.name}"] += stored
+        if demand.affinity and demand.affinity == worker:
+            self.stats[f"affinity_{role.name}"] += 1
         return worker
 
     def _wait_start(self, role: Role[Any], arrival: float, now: float) -> float:
@@ -211,6 +243,8 @@ class BalancerService:
     async def reap(self, now: float) -> None:
         """Expire silent workers and recover what they held; forget stale bookkeeping."""
         for worker_id in self.registry.expire(now):
+            if self._feed is not None:
+                self._feed.forget(worker_id)  # its local cache went with it (a restart resyncs from a snapshot)
             lost = self.assignments.take_worker(worker_id)
             log.warning(
                 "worker %s left the pool (silent > %.1fs), holding %d requests",
@@ -222,6 +256,9 @@ class BalancerService:
             for assignment in lost:
                 await self._recover(assignment, now)
         self.assignments.expire(now)
+        self.affinity.expire(now)
+        if self._feed is not None:
+            self._feed.expire(now)
         self._waiting = {k: t for k, t in self._waiting.items() if now - t < 2 * self._route_wait_s + 60}
 
     async def _recover(self, lost: Assignment, now: float) -> None:
@@ -250,6 +287,8 @@ class BalancerService:
 
     async def _on_done(self, done: RequestDone, _: Envelope) -> None:
         self.assignments.drop(done.request_id, done.role, done.worker_id)
+        if done.role == "decode":
+            self.affinity.done(done.request_id, done.worker_id, self._clock())
 
     async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
         self.assignments.cancel(cancel.request_id, list(self._roles), self._clock())

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from aiohttp import web
 
+from services.gateway import kv_metrics
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import Metrics
 from services.gateway.middleware import edge_middleware
@@ -39,7 +41,7 @@ def build_app(bus: Bus, config: GatewayConfig, models: list[str]) -> web.Applica
         max_body_bytes=config.max_body_bytes,
     )
     models_handler = ModelsHandler(models, created=int(time.time()))
-    ops = OpsHandler(lambda: bus.connected, pumps, metrics)
+    ops = OpsHandler(lambda: bus.connected, pumps, metrics, functools.partial(kv_metrics.scrape, bus))
     count = CountTokensHandler(bus, timeout_s=config.request_timeout_s, max_body_bytes=config.max_body_bytes)
     add_routes(app, generate, count, models_handler, ops)
     return app

@@ -1,4 +1,4 @@
-"""`python -m services.kvcache [--capacity-bytes N] [--map-size N] [--tail-ttl S]`"""
+"""`python -m services.kvcache [--ram-bytes N] [--ssd-bytes N] [--ssd-ttl-days D] [--capacity-bytes N] ...`"""
 
 from services.kvcache import config
 from services.kvcache.service import KvCacheService

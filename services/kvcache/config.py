@@ -8,16 +8,24 @@ from pathlib import Path
 
 from shared.config import ServiceConfig
 
+MiB = 1 << 20
 GiB = 1 << 30
+DAY_S = 86400.0
 
 
 @dataclass(frozen=True)
 class KvCacheConfig:
-    root: Path  # the LMDB environment directory
-    capacity_bytes: int = 4 * GiB  # stored records (header + payload) beyond this evict long-term blocks
+    root: Path  # <state_dir>/kvcache: the LMDB environment, and the SSD tier's segments under ssd/
+    capacity_bytes: int = 4 * GiB  # LMDB: short-term entries (and warm blocks) beyond this evict warm blocks
     map_size: int = 16 * GiB  # LMDB's address-space reservation: sparse on disk, must exceed the capacity
     tail_ttl_s: float = 180.0  # longest life of a short-term entry; a put asking for more is clamped
-    sweep_interval_s: float = 2.0  # expired entries go and access times are persisted this often
+    sweep_interval_s: float = 2.0  # expired entries go, the SSD tier syncs and access times persist this often
+    ram_bytes: int = 1 * GiB  # RAM tier (hot copies); 0 = no RAM tier
+    ssd_bytes: int = 32 * GiB  # SSD tier (long-term blocks, on disk); 0 = long-term blocks live in LMDB
+    ssd_ttl_days: float = 7.0  # a long-term block's life on the SSD tier, from when it was written
+    ssd_segment_bytes: int = 64 * MiB  # target size of one SSD segment file (the unit of eviction)
+    max_lease_s: float = 30.0  # longest lease kv.lookup grants
+    instance: str = "kvcache"
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -28,12 +36,28 @@ class KvCacheConfig:
             raise ValueError("--map-size must be at least 1.25 x --capacity-bytes")
         if self.tail_ttl_s <= 0 or self.sweep_interval_s <= 0:
             raise ValueError("--tail-ttl and the sweep interval must be positive")
+        if self.ram_bytes < 0 or self.ssd_bytes < 0:
+            raise ValueError("--ram-bytes and --ssd-bytes must be 0 (off) or positive")
+        if self.ssd_ttl_days <= 0 or self.ssd_segment_bytes <= 0:
+            raise ValueError("--ssd-ttl-days and --ssd-segment-bytes must be positive")
+        if self.max_lease_s < 0:
+            raise ValueError("--max-lease must not be negative")
+
+    @property
+    def segment_bytes(self) -> int:
+        """The segment size used: at most an eighth of the SSD capacity, so eviction has segments to choose."""
+        return max(1, min(self.ssd_segment_bytes, self.ssd_bytes // 8))
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--capacity-bytes", type=int, default=4 * GiB, help="bytes stored before eviction")
+    parser.add_argument("--capacity-bytes", type=int, default=4 * GiB, help="LMDB bytes stored before eviction")
     parser.add_argument("--map-size", type=int, default=16 * GiB, help="LMDB map size in bytes (sparse)")
     parser.add_argument("--tail-ttl", type=float, default=180.0, help="longest TTL of a short-term entry, s")
+    parser.add_argument("--ram-bytes", type=int, default=1 * GiB, help="RAM tier size in bytes (0: off)")
+    parser.add_argument("--ssd-bytes", type=int, default=32 * GiB, help="SSD tier size in bytes (0: off)")
+    parser.add_argument("--ssd-ttl-days", type=float, default=7.0, help="life of a long-term block on SSD, days")
+    parser.add_argument("--ssd-segment-bytes", type=int, default=64 * MiB, help="SSD segment file size")
+    parser.add_argument("--max-lease", type=float, default=30.0, help="longest lease kv.lookup grants, s")
 
 
 def from_args(common: ServiceConfig, args: argparse.Namespace) -> KvCacheConfig:
@@ -42,4 +66,10 @@ def from_args(common: ServiceConfig, args: argparse.Namespace) -> KvCacheConfig:
         capacity_bytes=args.capacity_bytes,
         map_size=args.map_size,
         tail_ttl_s=args.tail_ttl,
+        ram_bytes=args.ram_bytes,
+        ssd_bytes=args.ssd_bytes,
+        ssd_ttl_days=args.ssd_ttl_days,
+        ssd_segment_bytes=args.ssd_segment_bytes,
+        max_lease_s=args.max_lease,
+        instance=common.instance,
     )

@@ -1,4 +1,8 @@
-"""The kvcache service: `kv.lookup / kv.get / kv.put / kv.delete` over the store, plus a periodic sweep.
+"""The kvcache service: `kv.lookup / kv.get / kv.put / kv.delete` over the store, `kv.stats` for /metrics, plus a
+periodic sweep.
+
+The store's tiers (see store.py): RAM (hot copies), LMDB at `<state_dir>/kvcache/` (short-term entries, warm
+blocks) and the SSD tier at `<state_dir>/kvcache/ssd/` (long-term blocks, kept for days across restarts).
 
 Every store call runs on one dedicated I/O thread: LMDB reads of a cold page and fsyncs can block, and the store
 is not thread-safe, so one thread both keeps the event loop free and serializes access. The environment is
@@ -13,16 +17,22 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import orjson
 from nats.aio.subscription import Subscription
 
-from services.kvcache.config import KvCacheConfig
+from services.kvcache.config import DAY_S, KvCacheConfig
+from services.kvcache.leases import Leases
+from services.kvcache.malloc import retain_freed_memory
 from services.kvcache.store import KvStore
 from services.kvcache.tiers.lmdb import LmdbTier
+from services.kvcache.tiers.ram import RamTier
+from services.kvcache.tiers.ssd import SsdTier
 from shared import subjects
 from shared.bus import Bus
+from shared.kv_events import EventPublisher
 from shared.schemas.kv import (
     KvDelete,
     KvDeleteReply,
@@ -32,6 +42,9 @@ from shared.schemas.kv import (
     KvLookupReply,
     KvPut,
     KvPutReply,
+    KvStats,
+    KvStatsReply,
+    KvTierStats,
 )
 
 log = logging.getLogger(__name__)
@@ -51,18 +64,24 @@ class KvCacheService:
         self._subs: list[Subscription] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._max_reply = 0
+        self.events: EventPublisher | None = None
 
     # --- Service protocol --------------------------------------------------------------------------------------
 
     async def start(self, bus: Bus) -> None:
         self.store = await self._run(self._open)
         self._max_reply = bus.max_payload - REPLY_OVERHEAD
+        # every long-term change goes out as a numbered event, so the balancers' prefix index stays exact
+        self.events = EventPublisher(bus, self.config.instance)
+        await self._run(self.store.watch, self.events)  # the store calls it on its I/O thread
+        await self.events.serve_snapshots(self.store.long_term_keys, run=self._run)
         group = subjects.KVCACHE_GROUP
         self._subs = [
             await bus.serve(subjects.KV_LOOKUP, KvLookup, self._lookup, queue=group),
             await bus.serve(subjects.KV_GET, KvGet, self._get, queue=group),
             await bus.serve(subjects.KV_PUT, KvPut, self._put, queue=group),
             await bus.serve(subjects.KV_DELETE, KvDelete, self._delete, queue=group),
+            await bus.serve(subjects.KV_STATS, KvStats, self._stats),  # every instance answers for itself
         ]
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
@@ -70,6 +89,8 @@ class KvCacheService:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs = []
+        if self.events is not None:
+            await self.events.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
@@ -88,7 +109,14 @@ class KvCacheService:
 
     async def _lookup(self, req: KvLookup) -> KvLookupReply:
         assert self.store is not None
-        return KvLookupReply(hits=await self._run(self.store.lookup, req.hashes))
+        run = await self._run(self.store.lookup, req.hashes, req.lease_s)
+        return KvLookupReply(
+            hits=run.hits,
+            ram_hits=run.by_tier.get("ram", 0),
+            lmdb_hits=run.by_tier.get("lmdb", 0),
+            ssd_hits=run.by_tier.get("ssd", 0),
+            lease_s=run.lease_s,
+        )
 
     async def _get(self, req: KvGet) -> KvGetReply:
         assert self.store is not None
@@ -101,6 +129,29 @@ class KvCacheService:
     async def _delete(self, req: KvDelete) -> KvDeleteReply:
         assert self.store is not None
         return KvDeleteReply(deleted=await self._run(self.store.delete, req.keys))
+
+    async def _stats(self, _: KvStats) -> KvStatsReply:
+        assert self.store is not None
+        # Read on the event loop, like health(): plain counters, so /metrics never waits behind a disk read.
+        store = self.store
+        per_tier = store.tier_stats()
+        tiers = [
+            KvTierStats(
+                tier=name,
+                entries=s.entries,
+                bytes=s.bytes,
+                capacity_bytes=s.capacity_bytes,
+                disk_bytes=s.disk_bytes,
+                hits=t.hits,
+                misses=t.misses,
+                evictions=s.evictions,
+                expired=s.expired,
+                corrupt=s.corrupt,
+                promotions=t.promotions,
+            )
+            for name, s, t in per_tier
+        ]
+        return KvStatsReply(self.config.instance, tiers, asdict(store.counters), len(store.leases))
 
     def _fit(self, blobs: list[bytes | None]) -> list[bytes | None]:
         """Blobs up to the reply size limit, the rest as misses: callers read prefix runs and recompute the rest."""
@@ -117,9 +168,31 @@ class KvCacheService:
     # --- internals ---------------------------------------------------------------------------------------------
 
     def _open(self) -> KvStore:
-        tier = LmdbTier(self.config.root, capacity_bytes=self.config.capacity_bytes, map_size=self.config.map_size)
-        log.info("kvcache store at %s: %s", self.config.root, tier.stats())
-        return KvStore([tier], max_ttl_s=self.config.tail_ttl_s)
+        cfg = self.config
+        retain_freed_memory()  # every read allocates its blocks afresh: see malloc.py
+        leases = Leases()
+        lmdb = LmdbTier(cfg.root, capacity_bytes=cfg.capacity_bytes, map_size=cfg.map_size, leases=leases)
+        ram = RamTier(capacity_bytes=cfg.ram_bytes, leases=leases) if cfg.ram_bytes else None
+        ssd = None
+        if cfg.ssd_bytes:
+            ssd = SsdTier(
+                cfg.root / "ssd",
+                capacity_bytes=cfg.ssd_bytes,
+                ttl_s=cfg.ssd_ttl_days * DAY_S,
+                segment_bytes=cfg.segment_bytes,
+                leases=leases,
+            )
+        store = KvStore(
+            ram=ram,
+            short_term=lmdb,
+            long_term=ssd,
+            max_ttl_s=cfg.tail_ttl_s,
+            max_lease_s=cfg.max_lease_s,
+            leases=leases,
+        )
+        for tier in store.tiers:
+            log.info("kvcache %s tier: %s", tier.name, tier.stats())
+        return store
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -131,7 +204,7 @@ class KvCacheService:
                 log.exception("kvcache sweep failed")
                 continue
             if expired:
-                log.debug("expired %d short-term entries", expired)
+                log.debug("expired %d entries", expired)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

@@ -1,48 +1,70 @@
-"""The KV store: tiers behind one interface, plus the counters the service reports.
+"""The KV store: three tiers behind one interface, the routing between them, and the counters the service reports.
 
 Keys are opaque bytes: long-term blocks use the chained block hash (`shared.hashing`), short-term entries (a
-request's partial tail block) a key the caller chose, with a TTL. The store never returns bytes for a key it does
-not hold exactly and intact: tiers verify a checksum on every read and treat a bad record as absent.
+request's partial tail block, its model state) a key the caller chose, with a TTL. The store never returns bytes
+for a key it does not hold exactly and intact: tiers verify a checksum on every read and treat a bad record as
+absent.
 
-Tiers are ordered fastest first. This issue has one (LMDB); the RAM and SSD tiers and promotion between them
-plug in here later without changing the service.
+Where an entry lives:
+
+    put, long-term (ttl 0)   ->  RAM  +  SSD (write-through; SSD is the copy that counts)
+    put, short-term (ttl>0)  ->  RAM  +  LMDB (TTL, at most the max TTL)
+    get                      ->  RAM, then LMDB, then SSD; a hit below RAM is promoted into RAM
+    RAM full                 ->  drop the least recently used RAM copies (their home tier still holds them)
+    no SSD tier configured   ->  long-term blocks live in LMDB, as before the SSD tier existed
+
+LMDB may also hold long-term "warm" blocks: all of them when the SSD tier is off, and those written by a version
+of this service that had no SSD tier. With the SSD tier on, such a block moves to SSD the first time it is read.
+
+A put reports success when the entry's home tier (SSD or LMDB) stored it; the RAM copy is best effort. Leases
+(`leases.py`) taken by `lookup` make every tier's capacity eviction skip the leased keys.
+
+A `Listener` (`watch`) hears which long-term keys each tier gained and lost, for KV events; `long_term_keys`
+lists what each tier holds now, for snapshots. Short-term keys are not reported: they are per request.
 
 The store is synchronous and not thread-safe: the service calls it from one I/O thread.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from services.kvcache.leases import Leases
+
 MAX_KEY_BYTES = 256  # LMDB keys are at most 511 bytes and the tiers' indexes prefix 8 bytes to them
+
+Entry = tuple[bytes, float]  # (payload, expires_at): expires_at 0.0 = long-term, no expiry
 
 
 @dataclass(frozen=True)
 class TierStats:
     entries: int
-    bytes: int
+    bytes: int  # stored records (header + payload) that are live
     capacity_bytes: int
-    evictions: int  # long-term blocks dropped to make room
-    expired: int  # short-term entries dropped by TTL
-    corrupt: int  # records that failed their checksum (deleted, never returned)
+    evictions: int  # entries dropped to make room
+    expired: int  # entries dropped by TTL
+    corrupt: int  # records that failed their checksum (dropped, never returned)
+    disk_bytes: int = 0  # bytes the tier holds on disk, live or not (0 for RAM)
 
 
 class Tier(Protocol):
-    """One storage level. `now` is unix time; `expires_at` 0 means long-term (no expiry)."""
+    """One storage level. `now` is unix time; `expires_at` 0 means long-term (a tier may apply its own TTL)."""
 
     name: str
+    on_removed: Callable[[list[bytes]], None] | None  # called with long-term keys that left (evicted, expired...)
 
-    def prefix_run(self, keys: Sequence[bytes], now: float) -> int:
-        """How many of `keys`, from the first, this tier holds (unexpired)."""
+    def holds(self, keys: Sequence[bytes], now: float) -> list[bool]:
+        """Which of `keys` this tier holds, unexpired (from its index: a bad checksum shows only at get)."""
         ...
 
-    def get(self, keys: Sequence[bytes], now: float) -> list[bytes | None]: ...
+    def get(self, keys: Sequence[bytes], now: float) -> list[Entry | None]: ...
 
     def put(self, key: bytes, data: bytes, expires_at: float, now: float) -> bool:
-        """Store, evicting long-term entries if needed; False when the entry cannot fit."""
+        """Store, evicting unleased entries if the tier does that; False when the entry cannot fit."""
         ...
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
@@ -51,9 +73,19 @@ class Tier(Protocol):
         """Drop expired entries and persist bookkeeping; returns how many expired."""
         ...
 
+    def long_term_keys(self) -> list[bytes]: ...
+
     def stats(self) -> TierStats: ...
 
     def close(self) -> None: ...
+
+
+class Listener(Protocol):
+    """Hears long-term keys become findable in a tier, or leave it. Called on the store's thread; keep it cheap."""
+
+    def stored(self, tier: str, keys: list[bytes]) -> None: ...
+
+    def removed(self, tier: str, keys: list[bytes]) -> None: ...
 
 
 @dataclass
@@ -61,6 +93,7 @@ class Counters:
     lookups: int = 0
     lookup_blocks_hit: int = 0
     lookup_blocks_missed: int = 0
+    leases: int = 0  # lookups that leased their run
     get_hits: int = 0
     get_misses: int = 0
     bytes_read: int = 0
@@ -68,41 +101,104 @@ class Counters:
     puts_refused: int = 0
     bytes_written: int = 0
     deletes: int = 0
+    migrations: int = 0  # long-term blocks moved from LMDB to SSD on read
+
+
+@dataclass
+class Traffic:
+    """What the store saw of one tier: the tier itself does not know whether a miss fell through to another."""
+
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0  # entries copied into this tier from a slower one
+
+
+@dataclass(frozen=True)
+class Run:
+    """A lookup's answer: the longest stored prefix run, and the fastest tier holding each of its blocks."""
+
+    hits: int
+    by_tier: dict[str, int] = field(default_factory=dict)
+    lease_s: float = 0.0  # how long the run is leased (0: not leased)
 
 
 class KvStore:
-    def __init__(self, tiers: Sequence[Tier], *, max_ttl_s: float, clock: Callable[[], float] = time.time) -> None:
-        assert tiers, "a store needs at least one tier"
-        self._tiers = list(tiers)
+    def __init__(
+        self,
+        *,
+        short_term: Tier,
+        long_term: Tier | None = None,
+        ram: Tier | None = None,
+        max_ttl_s: float,
+        max_lease_s: float = 30.0,
+        leases: Leases | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._ram = ram
+        self._short = short_term
+        self._long = long_term
+        self._read_order = [t for t in (ram, short_term, long_term) if t is not None]  # fastest first
         self._max_ttl_s = max_ttl_s
+        self._max_lease_s = max_lease_s
+        self.leases = leases if leases is not None else Leases()
         self._clock = clock
         self.counters = Counters()
+        self.traffic = {tier.name: Traffic() for tier in self._read_order}
+        self._listener: Listener | None = None
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Length of the longest run of `hashes`, from the first, held by any combination of tiers."""
+    def watch(self, listener: Listener) -> None:
+        self._listener = listener
+        for tier in self._read_order:
+            tier.on_removed = functools.partial(listener.removed, tier.name)
+
+    def long_term_keys(self) -> dict[str, list[bytes]]:
+        return {tier.name: tier.long_term_keys() for tier in self._read_order}
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._read_order)
+
+    def lookup(self, hashes: Sequence[bytes], lease_s: float = 0.0) -> Run:
+        """The longest run of `hashes`, from the first, held by any combination of tiers; leased on request."""
         now = self._clock()
         keys = _valid_prefix(hashes)
-        hits = 0
-        while hits < len(keys):
-            # Greedy is exact: each step extends by the longest run any tier holds from `hits` on.
-            step = max(tier.prefix_run(keys[hits:], now) for tier in self._tiers)
-            if step == 0:
+        place: list[str | None] = [None] * len(keys)
+        for tier in self._read_order:
+            todo = [i for i, p in enumerate(place) if p is None]
+            if not todo:
                 break
-            hits += step
+            for i, held in zip(todo, tier.holds([keys[i] for i in todo], now)):
+                if held:
+                    place[i] = tier.name
+        hits = place.index(None) if None in place else len(place)
+        by_tier = {tier.name: 0 for tier in self._read_order}
+        for name in place[:hits]:
+            by_tier[name] += 1  # type: ignore[index]
+        granted = min(lease_s, self._max_lease_s) if hits and lease_s > 0 else 0.0
+        if granted:
+            self.leases.take(keys[:hits], now + granted)
+            self.counters.leases += 1
         self.counters.lookups += 1
         self.counters.lookup_blocks_hit += hits
         self.counters.lookup_blocks_missed += len(hashes) - hits
-        return hits
+        return Run(hits, by_tier, granted)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         now = self._clock()
         found: list[bytes | None] = [None] * len(keys)
-        for tier in self._tiers:
+        for tier in self._read_order:
             wanted = [i for i, k in enumerate(keys) if found[i] is None and _valid_key(k)]
             if not wanted:
                 break
-            for i, blob in zip(wanted, tier.get([keys[i] for i in wanted], now)):
-                found[i] = blob
+            traffic = self.traffic[tier.name]
+            for i, entry in zip(wanted, tier.get([keys[i] for i in wanted], now)):
+                if entry is None:
+                    traffic.misses += 1
+                    continue
+                traffic.hits += 1
+                found[i] = entry[0]
+                if tier is not self._ram:
+                    self._promote(tier, keys[i], entry, now)
         hits = [b for b in found if b is not None]
         self.counters.get_hits += len(hits)
         self.counters.get_misses += len(keys) - len(hits)
@@ -117,29 +213,60 @@ class KvStore:
             return False
         now = self._clock()
         expires_at = now + min(ttl_s, self._max_ttl_s) if ttl_s > 0 else 0.0
-        stored = self._tiers[0].put(key, data, expires_at, now)
-        if stored:
-            self.counters.bytes_written += len(data)
-        else:
+        home = self._short if expires_at or self._long is None else self._long
+        if not home.put(key, data, expires_at, now):
             self.counters.puts_refused += 1
-        return stored
+            return False
+        self.counters.bytes_written += len(data)
+        self._stored(home, key, expires_at)
+        # Best effort: a refused RAM copy still reads from home.
+        if self._ram is not None and self._ram.put(key, data, expires_at, now):
+            self._stored(self._ram, key, expires_at)
+        return True
 
     def delete(self, keys: Sequence[bytes]) -> int:
         valid = [k for k in keys if _valid_key(k)]
-        deleted = sum(tier.delete(valid) for tier in self._tiers)
+        # Every tier may hold a copy; an entry counts once, by its home tier (RAM copies are not entries of their own).
+        deleted = sum(tier.delete(valid) for tier in self._read_order if tier is not self._ram)
+        if self._ram is not None:
+            self._ram.delete(valid)
         self.counters.deletes += deleted
         return deleted
 
     def sweep(self) -> int:
         now = self._clock()
-        return sum(tier.sweep(now) for tier in self._tiers)
+        self.leases.sweep(now)
+        return sum(tier.sweep(now) for tier in self._read_order)
+
+    def tier_stats(self) -> list[tuple[str, TierStats, Traffic]]:
+        return [(t.name, t.stats(), self.traffic[t.name]) for t in self._read_order]
 
     def stats(self) -> dict[str, object]:
-        return {"counters": asdict(self.counters), **{t.name: asdict(t.stats()) for t in self._tiers}}
+        return {
+            "counters": asdict(self.counters),
+            "leases": len(self.leases),
+            **{t.name: {**asdict(t.stats()), **asdict(self.traffic[t.name])} for t in self._read_order},
+        }
 
     def close(self) -> None:
-        for tier in self._tiers:
+        for tier in self._read_order:
             tier.close()
+
+    def _promote(self, source: Tier, key: bytes, entry: Entry, now: float) -> None:
+        data, expires_at = entry
+        if self._ram is not None and self._ram.put(key, data, expires_at, now):
+            self.traffic[self._ram.name].promotions += 1
+            self._stored(self._ram, key, expires_at)
+        if source is self._short and not expires_at and self._long is not None:
+            # A warm long-term block in LMDB: its home is the SSD tier now.
+            if self._long.put(key, data, 0.0, now):
+                self._stored(self._long, key, 0.0)
+                self._short.delete([key])
+                self.counters.migrations += 1
+
+    def _stored(self, tier: Tier, key: bytes, expires_at: float) -> None:
+        if self._listener is not None and not expires_at:
+            self._listener.stored(tier.name, [key])
 
 
 def _valid_key(key: bytes) -> bool:

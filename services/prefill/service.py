@@ -20,6 +20,8 @@ from shared.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
+LEASE_S = 10.0  # how long the store keeps a looked-up run for this worker's gets
+
 
 class PrefillService(EngineWorker):
     role = "prefill"
@@ -92,7 +94,8 @@ class PrefillService(EngineWorker):
         assert self.engine is not None and self.kv is not None
         engine = self.engine.engine
         block = engine.block_tokens
-        run = min(await self.kv.lookup(hashes), (len(prompt) - 1) // block)
+        # leased: the run stays in the store (no eviction) until the gets below have read it
+        run = min((await self.kv.lookup_run(hashes, lease_s=LEASE_S)).hits, (len(prompt) - 1) // block)
         found = await short_term.find(self.kv, prompt, ns, hashes[:run], block, len(prompt) - 1)
         # blocks alone resume at run * block, less the replay that rebuilds a model's short-term state
         if found is not None and found[0].length > run * block - (engine.replay_tokens if run else 0):

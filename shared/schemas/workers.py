@@ -15,6 +15,10 @@ class Heartbeat:
     free_blocks: int
     total_blocks: int
     sent_at: float
+    # how the worker names its KV blocks, so a balancer can hash a prompt the way it does (shared/hashing.py):
+    # namespace(cache_id, request salt) and blocks of block_tokens; "" / 0 = unknown (no cache-aware routing)
+    cache_id: str = ""
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The kvcache service on a real nats-server: put, lookup, get, delete over the bus."""
+"""The kvcache service on a real nats-server: put, lookup (tier split, leases), get, delete, stats over the bus, and
+the gateway's /metrics rendering of them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import orjson
 
+from services.gateway import kv_metrics
 from services.kvcache.config import KvCacheConfig
 from services.kvcache.service import KvCacheService
 from shared import hashing, subjects
@@ -59,7 +61,8 @@ async def test_put_lookup_get_delete_over_the_bus(nats_url: str, tmp_path: Path)
 
         ready, detail = service.health()
         stats = orjson.loads(detail)
-        assert ready and stats["lmdb"]["entries"] == 2 and stats["lmdb"]["expired"] == 1
+        assert ready and stats["ssd"]["entries"] == 2 and stats["lmdb"]["expired"] == 1  # blocks on SSD, tail in LMDB
+        assert stats["ram"]["entries"] == 2 and stats["lmdb"]["entries"] == 0
         assert stats["counters"]["get_hits"] >= 5
     finally:
         await service.stop()
@@ -81,3 +84,44 @@ async def test_store_survives_a_service_restart(nats_url: str, tmp_path: Path) -
         finally:
             await service.stop()
             await bus.drain()
+
+
+async def test_lookup_reports_the_tier_split_and_leases_the_run(nats_url: str, tmp_path: Path) -> None:
+    # RAM for two blocks, so of four stored blocks the first two are only on SSD.
+    config = KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20, ram_bytes=2 * BLOCK + 4096,
+                           ssd_bytes=64 << 20, max_lease_s=10.0, instance="kv-split")
+    service = KvCacheService(config)
+    bus = await Bus.connect(nats_url, "kvcache-split")
+    try:
+        await service.start(bus)
+        client = KvClient(bus, timeout=2.0)
+        hashes = hashing.block_hashes(list(range(5 * hashing.BLOCK_TOKENS)), hashing.namespace("split"))
+        blobs = [bytes([i]) * BLOCK for i in range(4)]
+        assert await client.put_many(list(zip(hashes, blobs)))
+        run = await client.lookup_run(hashes, lease_s=60.0)
+        assert (run.hits, run.ram_hits, run.lmdb_hits, run.ssd_hits, run.lease_s) == (4, 2, 0, 2, 10.0)
+        assert await client.lookup(hashes) == 4  # the old call still answers the run's length
+        assert await client.get_run(hashes) == blobs
+
+        stats = await client.stats()
+        assert stats is not None and stats.instance == "kv-split" and stats.leases == 4
+        by_tier = {t.tier: t for t in stats.tiers}
+        assert set(by_tier) == {"ram", "lmdb", "ssd"}
+        assert by_tier["ssd"].hits == 2 and by_tier["ssd"].entries == 4
+        assert by_tier["ram"].promotions == 0  # the RAM copies there are leased: the SSD hits were not promoted
+        assert stats.counters["leases"] == 1
+
+        text = await kv_metrics.scrape(bus)
+        assert "deepinfer_kvcache_up 1" in text
+        assert 'deepinfer_kvcache_tier_entries{instance="kv-split",tier="ssd"} 4' in text
+        assert 'deepinfer_kvcache_get_hits_total{instance="kv-split"} 4' in text
+    finally:
+        await service.stop()
+        await bus.drain()
+    # The service is gone: /metrics still renders, and says so.
+    bus = await Bus.connect(nats_url, "kvcache-split-after")
+    try:
+        assert await kv_metrics.scrape(bus, timeout=0.5) == kv_metrics.render(None)
+        assert "deepinfer_kvcache_up 0" in kv_metrics.render(None)
+    finally:
+        await bus.drain()

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from services.balancer.service import BalancerService
-from shared import subjects
+from shared import hashing, subjects
 from shared.bus import Envelope, Retry
 from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
+from shared.schemas.events import TIER_LOCAL, TIER_SSD, KvSnapshot
 from shared.schemas.workers import Heartbeat, RequestDone
 
 MODEL = "m"
@@ -186,3 +187,70 @@ async def test_failed_submit_leaves_no_bookkeeping(setup: Any) -> None:
 def test_rejects_unknown_roles() -> None:
     with pytest.raises(ValueError):
         BalancerService(["prefill", "vision-typo"])
+
+
+# --- cache-aware prefill, decode affinity, policies by name ------------------------------------------------------
+
+
+async def cache_beat(svc: BalancerService, worker: str, clock: Clock, role: str = "prefill", queued: int = 0,
+                     free: int = 100) -> None:
+    beat = Heartbeat(worker, role, MODEL, queued, 0, free, 100, sent_at=clock.t, cache_id="cid", block_tokens=16)
+    await svc._on_heartbeat(beat, ENV)
+
+
+def holds(svc: BalancerService, worker: str, tokens: list[int], tier: str = TIER_LOCAL) -> None:
+    keys = hashing.block_hashes(tokens, hashing.namespace("cid"), 16)
+    svc.index.load(KvSnapshot(worker, "e", 0, "s", {tier: keys}))
+
+
+async def test_prefill_goes_to_the_worker_holding_the_prefix_and_counts_only_what_it_computes(setup: Any) -> None:
+    svc, bus, clock = setup
+    for w in ("p1", "p2", "p3"):
+        await cache_beat(svc, w, clock, queued=50 if w == "p2" else 0)
+    prompt = list(range(200))  # 12 full blocks and a tail
+    holds(svc, "p2", prompt[:160])  # 10 blocks in p2's own cache
+    holds(svc, "kv", prompt[:192], tier=TIER_SSD)  # all 12 in the shared store (so p1/p3 could load them)
+    await svc.route("prefill", GenerateRequest("r1", MODEL, prompt, SamplingParams()))
+    # p2: 200 - 160 - 0.75 * 32 + 50 = 66; p1, p3: 200 - 0.75 * 192 = 56: p2's queue outweighs its cache.
+    assert bus.submitted[-1][1].worker_id == "p1"
+    await cache_beat(svc, "p2", clock)  # p2's queue drained: 16 against p1's 56 + 8 pending
+    await svc.route("prefill", GenerateRequest("r2", MODEL, prompt, SamplingParams()))
+    assert bus.submitted[-1][1].worker_id == "p2"
+    loads = {w.worker_id: w.pending_tokens for w in svc.registry.candidates("prefill", MODEL, clock.t)}
+    assert loads == {"p1": 8, "p2": 8, "p3": 0}  # what each computes itself: 200 - 192 loaded or cached
+    assert (svc.stats["local_hit_tokens_prefill"], svc.stats["store_hit_tokens_prefill"]) == (160, 192 + 32)
+
+
+async def test_a_follow_up_turn_decodes_where_the_previous_one_did(setup: Any) -> None:
+    svc, bus, clock = setup
+    await cache_beat(svc, "d1", clock, role="decode", free=90)
+    await cache_beat(svc, "d2", clock, role="decode", free=80)
+    first = list(range(40))
+    keys = hashing.block_hashes(first, hashing.namespace("cid"), 16)
+    job = DecodeJob(GenerateRequest("t1", MODEL, first, SamplingParams()), 1, keys, b"", 0, "p")
+    await svc.route("decode", job)
+    assert bus.submitted[-1][1].worker_id == "d1"
+    await svc._on_done(RequestDone("t1", "d1", "decode"), ENV)
+    await cache_beat(svc, "d2", clock, role="decode", free=99)  # d2 is now the roomier one
+    follow = first + list(range(500, 530))
+    keys = hashing.block_hashes(follow, hashing.namespace("cid"), 16)
+    job = DecodeJob(GenerateRequest("t2", MODEL, follow, SamplingParams()), 1, keys, b"", 0, "p")
+    await svc.route("decode", job)
+    assert bus.submitted[-1][1].worker_id == "d1" and svc.stats["affinity_decode"] == 1
+    stranger = DecodeJob(GenerateRequest("t3", MODEL, list(range(900, 970)), SamplingParams()), 1, [], b"", 0, "p")
+    await svc.route("decode", stranger)
+    assert bus.submitted[-1][1].worker_id == "d2"
+
+
+async def test_policies_are_chosen_by_name() -> None:
+    clock, bus = Clock(), FakeBus()
+    svc = BalancerService(["prefill"], policies={"prefill": "round-robin"}, clock=clock)
+    await svc.start(bus)  # type: ignore[arg-type]
+    for w in ("p1", "p2"):
+        await cache_beat(svc, w, clock, queued=0 if w == "p2" else 10_000)
+    for rid in ("r1", "r2", "r3"):
+        await svc.route("prefill", request(rid))
+    assert [m.worker_id for _, m, _ in bus.submitted] == ["p1", "p2", "p1"]  # load and caches ignored
+    await svc.stop()
+    with pytest.raises(ValueError):
+        BalancerService(["prefill"], policies={"prefill": "psychic"})

@@ -1,4 +1,5 @@
-"""The KV store on real LMDB files: prefix runs, TTL, capacity eviction, corruption, persistence."""
+"""The KV store with its LMDB tier alone (no RAM, no SSD: long-term blocks live in LMDB, as before the SSD tier),
+on real LMDB files: prefix runs, TTL, capacity eviction, corruption, persistence."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class Clock:
 
 
 def open_store(path: Path, clock: Clock, capacity: int = 1 << 20, max_ttl: float = 180.0) -> KvStore:
-    return KvStore([LmdbTier(path, capacity_bytes=capacity, map_size=16 << 20)], max_ttl_s=max_ttl, clock=clock)
+    lmdb_tier = LmdbTier(path, capacity_bytes=capacity, map_size=16 << 20)
+    return KvStore(short_term=lmdb_tier, max_ttl_s=max_ttl, clock=clock)
 
 
 def chain(n: int) -> list[bytes]:
@@ -41,12 +43,12 @@ def test_put_get_and_lookup_prefix_run(tmp_path: Path) -> None:
     keys = chain(5)
     for i in (0, 1, 2, 4):  # block 3 missing: the run stops there
         assert store.put(keys[i], blob(i))
-    assert store.lookup(keys) == 3
-    assert store.lookup(keys[4:]) == 1
-    assert store.lookup([]) == 0
+    assert store.lookup(keys).hits == 3
+    assert store.lookup(keys[4:]).hits == 1
+    assert store.lookup([]).hits == 0
     assert store.get([keys[0], keys[3], keys[4]]) == [blob(0), None, blob(4)]
     assert store.delete([keys[1], b"absent"]) == 1
-    assert store.lookup(keys) == 1
+    assert store.lookup(keys).hits == 1
     c = store.counters
     assert (c.get_hits, c.get_misses, c.bytes_read) == (2, 1, 20 * KiB)
     store.close()
@@ -58,7 +60,7 @@ def test_invalid_keys_are_misses_not_errors(tmp_path: Path) -> None:
     assert not store.put(b"k" * 600, b"x")
     assert not store.put(b"k", b"x", ttl_s=-1)
     assert store.get([b"", b"k" * 600]) == [None, None]
-    assert store.lookup([b"k" * 600]) == 0
+    assert store.lookup([b"k" * 600]).hits == 0
     store.close()
 
 
@@ -72,7 +74,7 @@ def test_ttl_entries_expire_on_read_and_by_sweep(tmp_path: Path) -> None:
     assert store.get([b"tail:a", b"tail:b"]) == [blob(1), blob(2)]
     clock.t += 0.2
     assert store.get([b"tail:a"]) == [None]  # expired, even before a sweep
-    assert store.lookup([b"tail:a"]) == 0
+    assert store.lookup([b"tail:a"]).hits == 0
     assert store.sweep() == 1
     clock.t += 20.0
     assert store.sweep() == 1
@@ -141,7 +143,7 @@ def test_corrupt_record_is_absent_and_deleted(tmp_path: Path) -> None:
     env.close()
     store = open_store(tmp_path, Clock())
     assert store.get(keys) == [blob(0), None]
-    assert store.lookup(keys) == 1  # deleted on detection
+    assert store.lookup(keys).hits == 1  # deleted on detection
     assert store.stats()["lmdb"]["corrupt"] == 1  # type: ignore[index]
     store.close()
 
@@ -155,7 +157,7 @@ def test_reopen_keeps_long_term_blocks_and_totals(tmp_path: Path) -> None:
     before = store.stats()["lmdb"]
     store.close()
     store = open_store(tmp_path, Clock())
-    assert store.lookup(keys) == 3
+    assert store.lookup(keys).hits == 3
     assert store.get(keys) == [blob(0), blob(1), blob(2)]
     after = store.stats()["lmdb"]
     assert (after["entries"], after["bytes"]) == (before["entries"], before["bytes"])  # type: ignore[index]

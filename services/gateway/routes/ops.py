@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -15,10 +15,17 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class OpsHandler:
-    def __init__(self, connected: Callable[[], bool], pumps: Pumps, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        connected: Callable[[], bool],
+        pumps: Pumps,
+        metrics: Metrics,
+        more_metrics: Callable[[], Awaitable[str]] | None = None,  # other services' series (e.g. the kvcache's)
+    ) -> None:
         self._connected = connected
         self._pumps = pumps
         self._metrics = metrics
+        self._more_metrics = more_metrics
 
     async def health(self, request: web.Request) -> web.Response:
         # Cheap on purpose: load balancers poll it. Whether a recipe answers shows up as 503s on real requests.
@@ -29,4 +36,7 @@ class OpsHandler:
         return json_response(200, orjson.dumps({"status": "ok"}))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._metrics.render().encode(), headers={"Content-Type": PROMETHEUS_TYPE})
+        text = self._metrics.render()
+        if self._more_metrics is not None:
+            text += await self._more_metrics()
+        return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_TYPE})
