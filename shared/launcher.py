@@ -27,6 +27,8 @@ from shared.schemas.workers import HealthReply, HealthRequest
 from shared.service import health_subject
 
 STOP_ORDER = ["gateway", "recipe", "balancer", "prefill", "decode", "kvcache"]
+MAX_RESTARTS = 5  # a service that exits more often than this in RESTART_WINDOW_S stops the stack
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Child:
     process: subprocess.Popen[bytes] | None = None
     detail: str = "starting"
     ready: bool = False
+    restarts: list[float] = field(default_factory=list)  # monotonic times it was restarted at
 
 
 @dataclass
@@ -106,6 +109,24 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
+
+
+def supervise(child: Child) -> None:
+    """Restart a service that died once the stack was up (as compose's `restart: unless-stopped` does): the
+    mesh is built to ride that out (a dead kvcache reads as misses, a dead worker's jobs are redelivered);
+    a service that keeps dying stops the stack."""
+    assert child.process is not None
+    code = child.process.poll()
+    if code is None:
+        return
+    now = time.monotonic()
+    child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
+    if len(child.restarts) >= MAX_RESTARTS:
+        raise RuntimeError(f"{child.instance} exited with code {code}, {MAX_RESTARTS} times within "
+                           f"{RESTART_WINDOW_S:.0f} s; see {child.log_path}")
+    print(f"{child.instance} exited with code {code}; restarting it", flush=True)
+    child.restarts.append(now)
+    spawn(child)
 
 
 async def wait_ready(plan: Plan, nats_url: str, timeout: float) -> None:
@@ -196,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(how_to_call(args, model_name), flush=True)
         while True:
             for child in plan.children:
-                assert child.process is not None
-                if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.instance} exited with code {child.process.returncode}")
+                supervise(child)
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)

@@ -62,3 +62,24 @@ def test_docker_compose_accepts_the_file() -> None:
         ["docker-compose", "-f", str(ROOT / "compose.yaml"), "config", "-q"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_a_dead_service_is_restarted_until_it_keeps_dying(tmp_path: Path) -> None:
+    import sys
+    import time
+
+    import pytest
+
+    from shared.launcher import MAX_RESTARTS, Child, spawn, supervise
+
+    child = Child("kvcache", "kvcache-0", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "k.log")
+    spawn(child)
+    for restart in range(MAX_RESTARTS):
+        child.process.wait()
+        first = child.process
+        supervise(child)  # exited: a new process in its place
+        assert child.process is not first and len(child.restarts) == restart + 1
+    child.process.wait()
+    with pytest.raises(RuntimeError, match="kvcache-0 exited with code 3"):
+        supervise(child)
+    assert time.monotonic() - child.restarts[0] < 60

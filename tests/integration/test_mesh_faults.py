@@ -1,0 +1,79 @@
+"""Faults under load, through the whole mesh: the kvcache service SIGKILLed while requests stream.
+
+The store is an optimisation, never a dependency: prefill and decode read a dead store as misses and recompute,
+so no request fails; the launcher restarts the service (as compose's `restart: unless-stopped` would), and its
+long-term tier comes back from disk with every block it had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from shared.bus import Bus
+from shared.kvclient import KvClient
+from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+STORY = " ".join(f"Line {i}: the lighthouse keeper counted {i} ships." for i in range(25))
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    mesh = start_mesh(tmp_path_factory.mktemp("faults"))
+    yield mesh
+    mesh.stop()
+
+
+async def _long_term_entries(nats_url: str) -> int:
+    bus = await Bus.connect(nats_url, "test-stats")
+    try:
+        stats = await KvClient(bus, timeout=2.0).stats()
+        return -1 if stats is None else sum(t.entries for t in stats.tiers if t.tier == "ssd")
+    finally:
+        await bus.drain()
+
+
+def _kvcache_pid(mesh: Mesh) -> int:
+    (pid,) = [p for p in pids_mentioning(str(mesh.state_dir))
+              if b"services.kvcache" in open(f"/proc/{p}/cmdline", "rb").read()]
+    return pid
+
+
+def test_killing_the_kvcache_service_under_load_fails_no_request(mesh: Mesh) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{mesh.base_url}/v1", api_key="k", max_retries=0, timeout=120)
+
+    async def ask(i: int) -> str:
+        r = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"{STORY} Question {i}: how many ships?"}],
+            max_tokens=24, temperature=0)
+        return r.choices[0].finish_reason
+
+    async def scenario() -> list[str]:
+        first = await asyncio.gather(*(ask(i) for i in range(3)))  # warm: blocks reach the store
+        stored = await _long_term_entries(mesh.nats_url)
+        assert stored > 0, stored
+        pid = _kvcache_pid(mesh)
+        tasks = [asyncio.create_task(ask(i)) for i in range(3, 9)]
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)  # mid-flight: lookups, gets and puts now time out or fail
+        rest = await asyncio.gather(*tasks)
+        # the launcher restarts it; its SSD tier comes back with what it held
+        deadline = time.monotonic() + 60
+        while (entries := await _long_term_entries(mesh.nats_url)) < stored and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert entries >= stored
+        assert _kvcache_pid(mesh) != pid
+        return first + rest
+
+    reasons = asyncio.run(scenario())
+    assert len(reasons) == 9 and all(r in ("stop", "length") for r in reasons)
+    assert any("kvcache-0 exited" in line for line in mesh.output)
