@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import ceilings, cuda_time  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.engine import Engine, EngineRequest  # noqa: E402
 from shared.engine.loader import LoadedModel  # noqa: E402
@@ -39,33 +40,6 @@ T0 = time.time()
 
 def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-def cuda_time(fn, reps: int = 10, warm: int = 3) -> float:
-    """Median seconds of fn() between CUDA events."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def ceilings() -> tuple[float, float]:
-    """(copy bytes/s counting read + write, bf16 matmul FLOP/s), measured."""
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() / cuda_time(lambda: y.copy_(x))
-    del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    flops = 2 * 8192**3 / cuda_time(lambda: a @ b)
-    return bw, flops
 
 
 def counts(c: ModelConfig) -> tuple[int, int, int]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import ceilings, cuda_time  # noqa: E402
 from shared.engine.attention import AttentionMetadata, SeqSpan  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.models.deepseek_v4.model import DeepseekV4  # noqa: E402
@@ -104,39 +104,6 @@ def weights_for(s: DeepseekV4Spec, device: torch.device, dtype: torch.dtype) -> 
         x = f + ("" if e == "shared_experts" else "experts.") + e
         w |= {x + ".w1.weight": lin(I, D), x + ".w3.weight": lin(I, D), x + ".w2.weight": lin(D, I)}
     return w
-
-
-def cuda_time(fn, reps: int, warm: int = 2) -> float:
-    """Median seconds of fn() between CUDA events (host clock on the CPU)."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def ceilings(device: torch.device) -> tuple[float, float]:
-    """(copy bytes/s counting read + write, bf16 matmul FLOP/s), measured."""
-    n = (2 << 30) if device.type == "cuda" else (64 << 20)
-    x = torch.empty(n, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    bw = 2 * n / cuda_time(lambda: y.copy_(x), 10)
-    del x, y
-    k = 8192 if device.type == "cuda" else 512
-    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = torch.randn(k, k, device=device, dtype=dt), torch.randn(k, k, device=device, dtype=dt)
-    return bw, 2 * k**3 / cuda_time(lambda: a @ b, 10)
 
 
 class Costs:
@@ -230,7 +197,7 @@ def run_kind(kind: str, dims: dict, ratios: dict, args, device: torch.device, dt
     def timed_moe(n: int) -> float:
         x = torch.randn(n, spec.hidden_size, device=device, dtype=dtype)
         ids = torch.zeros(n, dtype=torch.long, device=device)
-        return cuda_time(lambda: model._moe(layer, x, ids), args.reps)
+        return cuda_time(lambda: model._moe(layer, x, ids), args.reps, warm=2)
 
     # prefill: a fresh prompt per repetition (new request id, fresh state), on blocks reused across repetitions
     n = args.prefill
@@ -248,7 +215,7 @@ def run_kind(kind: str, dims: dict, ratios: dict, args, device: torch.device, dt
         cache.drop_state(rid)
 
     with torch.inference_mode():
-        t = cuda_time(prefill, args.reps)
+        t = cuda_time(prefill, args.reps, warm=2)
         moe = timed_moe(n)
         nbytes, nflops = costs.prefill(n)
         rows.append(dict(kind=kind, phase="prefill", batch=1, tokens=n, ms=t * 1e3, moe_ms=moe * 1e3,
@@ -263,7 +230,7 @@ def run_kind(kind: str, dims: dict, ratios: dict, args, device: torch.device, dt
             dids = torch.randint(0, spec.vocab_size, (b,), device=device)
             dpos = torch.full((b,), args.ctx, device=device)
             meta = AttentionMetadata(dpos, spans)
-            t = cuda_time(lambda: model.forward(dids, dpos, meta, cache), args.reps)
+            t = cuda_time(lambda: model.forward(dids, dpos, meta, cache), args.reps, warm=2)
             moe = timed_moe(b)
             nbytes, nflops = costs.decode(b, args.ctx)
             rows.append(dict(kind=kind, phase="decode", batch=b, tokens=b, ms=t * 1e3, moe_ms=moe * 1e3,
