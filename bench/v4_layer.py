@@ -35,6 +35,7 @@ from bench.timing import ceilings, cuda_time  # noqa: E402
 from shared.engine.attention import AttentionMetadata, SeqSpan  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.models.deepseek_v4.model import DeepseekV4  # noqa: E402
+from shared.engine.ops import select_ops  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, SLIDING, DeepseekV4Spec  # noqa: E402
 
 T0 = time.time()
@@ -182,7 +183,8 @@ def run_kind(kind: str, dims: dict, ratios: dict, args, device: torch.device, dt
                          intermediate_size=spec.moe_intermediate, rope_theta=spec.rope_theta, rms_eps=spec.rms_eps,
                          max_position=spec.max_position, tie_embeddings=False, bos_id=0, eos_ids=(1,), spec=spec)
     weights = weights_for(spec, device, dtype)
-    model = DeepseekV4(config, weights, device, dtype)
+    model = DeepseekV4(config, weights, device, dtype, select_ops(device, "auto"))
+    fast = model.triton  # the model's Triton kernels (mHC); timed with and without them, same weights, same run
     del weights
     bt = spec.block_tokens
     batches = [int(b) for b in args.batches.split(",")]
@@ -214,13 +216,20 @@ def run_kind(kind: str, dims: dict, ratios: dict, args, device: torch.device, dt
         model.forward(ids, pos, AttentionMetadata(pos, [span]), cache)
         cache.drop_state(rid)
 
+    def both(fn) -> tuple[float, float]:
+        """(seconds with the torch path, seconds with the model's kernels)."""
+        model.triton = False
+        slow = cuda_time(fn, args.reps, warm=2)
+        model.triton = fast
+        return slow, cuda_time(fn, args.reps, warm=2) if fast else slow
+
     with torch.inference_mode():
-        t = cuda_time(prefill, args.reps, warm=2)
+        t_torch, t = both(prefill)
         moe = timed_moe(n)
         nbytes, nflops = costs.prefill(n)
         rows.append(dict(kind=kind, phase="prefill", batch=1, tokens=n, ms=t * 1e3, moe_ms=moe * 1e3,
-                         bytes_ms=nbytes / bw * 1e3, flops_ms=nflops / flops * 1e3))
-        log(f"{kind} prefill {n}: {t * 1e3:.1f} ms (MoE {moe * 1e3:.1f})")
+                         torch_ms=t_torch * 1e3, bytes_ms=nbytes / bw * 1e3, flops_ms=nflops / flops * 1e3))
+        log(f"{kind} prefill {n}: {t * 1e3:.1f} ms, torch path {t_torch * 1e3:.1f} (MoE {moe * 1e3:.1f})")
         next_block = 0
         for b in batches:
             rids = [f"{kind}-d{b}-{i}" for i in range(b)]
@@ -230,12 +239,13 @@ def run_kind(kind: str, dims: dict, ratios: dict, args, device: torch.device, dt
             dids = torch.randint(0, spec.vocab_size, (b,), device=device)
             dpos = torch.full((b,), args.ctx, device=device)
             meta = AttentionMetadata(dpos, spans)
-            t = cuda_time(lambda: model.forward(dids, dpos, meta, cache), args.reps, warm=2)
+            t_torch, t = both(lambda: model.forward(dids, dpos, meta, cache))
             moe = timed_moe(b)
             nbytes, nflops = costs.decode(b, args.ctx)
             rows.append(dict(kind=kind, phase="decode", batch=b, tokens=b, ms=t * 1e3, moe_ms=moe * 1e3,
-                             bytes_ms=nbytes / bw * 1e3, flops_ms=nflops / flops * 1e3))
-            log(f"{kind} decode b{b} ctx {args.ctx}: {t * 1e3:.2f} ms (MoE {moe * 1e3:.2f})")
+                             torch_ms=t_torch * 1e3, bytes_ms=nbytes / bw * 1e3, flops_ms=nflops / flops * 1e3))
+            log(f"{kind} decode b{b} ctx {args.ctx}: {t * 1e3:.2f} ms, torch path {t_torch * 1e3:.2f} "
+                f"(MoE {moe * 1e3:.2f})")
             for rid in rids:
                 cache.drop_state(rid)
     del model, cache
@@ -251,13 +261,14 @@ def table(rows: list[dict], bw: float, flops: float, device: str, args) -> str:
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s. "
         f"Decode at a {args.ctx}-token context. Floor = max(bytes / copy rate, FLOPs / matmul rate).",
         "",
-        "| layer | phase | batch | tokens | ours ms | of which MoE ms | bytes floor ms | FLOP floor ms "
-        "| % of floor | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| layer | phase | batch | tokens | torch path ms | ours ms (kernels) | speedup | of which MoE ms "
+        "| bytes floor ms | FLOP floor ms | % of floor | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         floor = max(r["bytes_ms"], r["flops_ms"])
-        lines.append(f"| {r['kind']} | {r['phase']} | {r['batch']} | {r['tokens']} | {r['ms']:.2f} | "
+        lines.append(f"| {r['kind']} | {r['phase']} | {r['batch']} | {r['tokens']} | {r['torch_ms']:.2f} | "
+                     f"{r['ms']:.2f} | {r['torch_ms'] / r['ms']:.2f}x | "
                      f"{r['moe_ms']:.2f} | {r['bytes_ms']:.3f} | {r['flops_ms']:.3f} | "
                      f"{100 * floor / r['ms']:.1f} % | {r['tokens'] / r['ms'] * 1e3:,.0f} |")
     return "\n".join(lines) + "\n"

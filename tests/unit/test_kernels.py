@@ -160,3 +160,25 @@ def test_gemv_fusions_match_reference(dtype: torch.dtype, M: int, K: int, N: int
     # each row's result is independent of the other rows (a batch-1 step gives what it gives in a batch)
     if M > 1:
         assert torch.equal(gemv(a[1:2].contiguous(), w[:N]), gemv(a, w[:N])[1:2])
+
+
+def test_hc_weights_match_the_torch_sinkhorn() -> None:
+    """DeepSeek-V4's hyper-connection gates and doubly stochastic mix: the one-launch kernel against the torch
+    path (fp32 only: the weights are float32 in the model whatever the activation dtype)."""
+    from shared.engine.kernels.mhc import hc_weights
+
+    g = torch.Generator().manual_seed(5)
+    n, T, iters, eps = 4, 7, 20, 1e-6
+    mix = (2 * torch.randn(T, (2 + n) * n, generator=g)).to(DEVICE)
+    base, scale = torch.randn((2 + n) * n, generator=g).to(DEVICE), torch.rand(3, generator=g).to(DEVICE) + 0.5
+    pre, post, comb = hc_weights(mix, base, scale, n, iters, eps)
+    want_pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    want_post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    want = torch.softmax(mix[:, 2 * n :].view(T, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + eps
+    want = want / (want.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        want = want / (want.sum(-1, keepdim=True) + eps)
+        want = want / (want.sum(-2, keepdim=True) + eps)
+    assert rel_err(pre, want_pre) < 1e-6 and rel_err(post, want_post) < 1e-6
+    assert rel_err(comb, want) < 1e-5
+    assert torch.allclose(comb.sum(-2), torch.ones(T, n, device=DEVICE), atol=1e-5)  # columns sum to one

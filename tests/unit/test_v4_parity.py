@@ -104,10 +104,12 @@ def _reference_generate(reference, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
-def test_greedy_generation_matches_reference(checkpoint, overlap: bool) -> None:
+@pytest.mark.parametrize("overlap,kernels", [(False, "torch"), (True, "torch"), (False, "triton")],
+                         ids=["sync", "overlapped", "triton"])
+def test_greedy_generation_matches_reference(checkpoint, overlap: bool, kernels: str) -> None:
+    """kernels="triton": the model's Triton kernels (mHC weights), under the interpreter on a CPU."""
     path, reference = checkpoint
-    engine = Engine(str(path), kv_blocks=64, max_batch_tokens=24)  # prompts prefill in chunks, decode batched
+    engine = Engine(str(path), kv_blocks=64, max_batch_tokens=24, kernels=kernels)  # chunked prefill, batched decode
     engine.overlap = overlap  # the overlapped scheduler takes back one token per stop: the rings roll back
     prompts = {"p0": _ids(7, seed=5), "p1": _ids(38, seed=6), "p2": _ids(21, seed=7)}
     requests = [EngineRequest(rid, ids, _greedy(12), max_new_tokens=12) for rid, ids in prompts.items()]

@@ -29,11 +29,15 @@ import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata, SeqSpan
 from shared.engine.config import ModelConfig
+from shared.engine.kernels import HAVE_TRITON
 from shared.engine.kv_cache import CacheSpec
 from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
 from shared.engine.models.deepseek_v4.rope import Rotary, rotate
 from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec
 from shared.engine.ops import Ops
+
+if HAVE_TRITON:
+    from shared.engine.kernels.mhc import hc_weights
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -41,6 +45,9 @@ def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tenso
     h = x.float()
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
     return (h if weight is None else h * weight).to(x.dtype)
+
+
+GATHER_MAX_PAIRS = 32  # (row, expert) pairs up to which the experts' weights are gathered (decode, batch <= 5)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,8 @@ class DeepseekV4:
         self.config, self.spec, self.dtype, self.device = config, spec, dtype, device
         self.block_tokens = spec.block_tokens
         self.cache: V4Cache | None = None
+        # Triton kernels where they replace long chains of tiny torch ops (the rest is the torch path)
+        self.triton = ops is not None and ops.name == "triton" and spec.hc_mult & (spec.hc_mult - 1) == 0
 
         def w(name: str, keep_fp32: bool = False) -> torch.Tensor:
             if name not in weights:
@@ -291,6 +300,9 @@ class DeepseekV4:
         n = s.hc_mult
         fn, base, scale = hc
         mix = rms(streams.flatten(1).float(), None, s.rms_eps) @ fn.T  # (T, (2 + n) n)
+        if self.triton:  # one launch for the gates and the Sinkhorn loop below
+            pre, post, comb = hc_weights(mix, base, scale, n, s.hc_iters, s.hc_eps)
+            return post, comb, (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
         pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + s.hc_eps
         post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
         comb = torch.softmax(mix[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + s.hc_eps
@@ -462,9 +474,22 @@ class DeepseekV4:
         return out
 
     def _experts(self, ex: Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each row through its chosen experts (clamped SwiGLU), weighted and summed: grouped by expert."""
+        """Each row through its chosen experts (clamped SwiGLU), weighted and summed: grouped by expert, or for
+        a few (row, expert) pairs (decode at small batch) as two batched products over the gathered weights,
+        with no host round trip to learn which experts were hit."""
         limit = self.spec.swiglu_limit
-        k = chosen.shape[1]
+        T, k = chosen.shape
+        if ex.w13.shape[0] == 1:  # the shared expert: every row, one dense SwiGLU
+            gate, up = F.linear(x, ex.w13[0]).chunk(2, dim=-1)
+            h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+            return F.linear(h, ex.w2[0]) * weights.to(x.dtype)
+        if T * k <= GATHER_MAX_PAIRS:
+            flat = chosen.flatten()
+            xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # (T k, D, 1)
+            gate, up = torch.bmm(ex.w13[flat], xs).squeeze(-1).chunk(2, dim=-1)  # (T k, I) each
+            h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+            y = torch.bmm(ex.w2[flat], h.unsqueeze(-1)).squeeze(-1) * weights.flatten()[:, None].to(x.dtype)
+            return y.view(T, k, -1).sum(1).to(x.dtype)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=ex.w13.shape[0]).tolist()
