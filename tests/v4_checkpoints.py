@@ -297,3 +297,10 @@ def build_served(root: Path, seed: int = 0) -> Path:
     path = root / SERVED_NAME
     build(path, "mixed", seed=seed, **SERVED)
     return path
+
+
+def build_hub(root: Path, name: str = "mixed") -> Path:
+    """A random checkpoint in the hub's dialect, with an MTP layer, at `root / "hub"`; returns its directory."""
+    model = build(root / "hf", name)
+    save_hub_dialect(model, root / "hub")
+    return root / "hub"

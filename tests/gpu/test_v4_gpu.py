@@ -18,10 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = v4_checkpoints.build(tmp_path_factory.mktemp("hf"), "mixed")
-    path = tmp_path_factory.mktemp("hub")
-    v4_checkpoints.save_hub_dialect(model, path)
-    return path
+    return v4_checkpoints.build_hub(tmp_path_factory.mktemp("v4"))
 
 
 def _requests() -> list[EngineRequest]:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable
-
-import nats
 
 from services.balancer.service import BalancerService
 from shared import hashing, subjects
 from shared.bus import Bus, Envelope
+from tests.integration.buses import connect, until
 from shared.kv_events import EventPublisher
 from shared.schemas.events import OP_STORED, TIER_LOCAL
 from shared.schemas.generate import GenerateRequest, PrefillJob, SamplingParams
@@ -21,17 +19,6 @@ from shared.schemas.workers import Heartbeat
 MODEL = "tiny"
 CACHE_ID = "tiny:llama:fp32"
 BLOCK = 16
-
-
-async def connect(url: str, name: str) -> Bus:
-    return Bus(await nats.connect(url, name=name, drain_timeout=1), name)
-
-
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def keys(prompt: list[int]) -> list[bytes]:

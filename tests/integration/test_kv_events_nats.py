@@ -5,30 +5,17 @@ is the broker-free half; the basenames differ because the test folders are not p
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import nats
-
 from shared.bus import Bus
+from tests.integration.buses import connect, until
 from shared.engine.block_manager import BlockManager
 from shared.kv_events import EventPublisher, KvEventFeed, PrefixIndex
 from shared.schemas.events import OP_REMOVED, OP_STORED, TIER_LOCAL, TIER_RAM, TIER_SSD, KvEvent
 
 KEYS = [i.to_bytes(16, "big") for i in range(400)]
-
-
-async def connect(url: str, name: str) -> Bus:
-    return Bus(await nats.connect(url, name=name, drain_timeout=1), name)
-
-
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 class LossyBus:

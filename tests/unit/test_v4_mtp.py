@@ -20,10 +20,7 @@ from tests import v4_checkpoints
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = v4_checkpoints.build(tmp_path_factory.mktemp("v4-hf"), "mixed")
-    path = tmp_path_factory.mktemp("v4-hub")
-    v4_checkpoints.save_hub_dialect(model, path)
-    return path
+    return v4_checkpoints.build_hub(tmp_path_factory.mktemp("v4"))
 
 
 def _requests(temperature: float) -> list[EngineRequest]:
