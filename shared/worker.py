@@ -195,6 +195,14 @@ class EngineWorker(ABC):
         assert self.bus is not None
         return self.bus.max_payload - STATE_PART_OVERHEAD
 
+    async def fetch_blocks(self, hashes: list[bytes]) -> list[bytes]:
+        """The blobs of the leading run of `hashes` this worker can have: b"" for the blocks its engine's own
+        prefix cache holds (no transfer; the engine checks again at admission), then the kvcache service's,
+        up to the first one missing."""
+        assert self.engine is not None and self.kv is not None
+        local = await self.engine.call(self.engine.engine.cached_blocks, hashes)
+        return [b""] * local + await self.kv.get_run(hashes[local:])
+
     async def store_kv(self, request_id: str, tokens: list[int], ns: bytes, hashes: list[bytes], stored: int
                        ) -> bytes:
         """Put a held request's KV of `tokens` (all computed) in the kvcache service: its full blocks from block

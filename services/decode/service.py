@@ -30,7 +30,7 @@ class DecodeService(EngineWorker):
         engine = self.engine.engine
         req = job.request
         prompt = req.prompt_ids
-        blobs = await self.kv.get_run(job.block_hashes)
+        blobs = await self.fetch_blocks(job.block_hashes)
         prefix_tokens, state = len(blobs) * engine.block_tokens, b""
         if job.snapshot_key and len(blobs) == len(job.block_hashes):
             snap = await short_term.load(self.kv, job.snapshot_key)

@@ -101,8 +101,8 @@ class PrefillService(EngineWorker):
         if found is not None and found[0].length > run * block - (engine.replay_tokens if run else 0):
             snap = found[0]
             full = snap.length // block
-            blobs = await self.kv.get_run(hashes[:full])
+            blobs = await self.fetch_blocks(hashes[:full])
             if len(blobs) == full:
                 return blobs + ([snap.tail] if snap.tail else []), snap.length, snap.state
-        blobs = await self.kv.get_run(hashes[:run])
+        blobs = await self.fetch_blocks(hashes[:run])
         return blobs, len(blobs) * block, b""

@@ -14,7 +14,8 @@ class EngineRequest:
     sampling: SamplingParams  # max_tokens there is ignored here
     max_new_tokens: int  # how many tokens this engine may still generate
     output_offset: int = 0  # output position of the next generated token (for seeded sampling)
-    prefix_blocks: list[bytes] = field(default_factory=list)  # KV of tokens [0, prefix_tokens), one blob per block
+    # KV of tokens [0, prefix_tokens), one blob per block; b"" = a block this engine already holds (cached_blocks)
+    prefix_blocks: list[bytes] = field(default_factory=list)
     prefix_tokens: int = 0
     prefix_state: bytes = b""  # per-request model state after prefix_tokens (V4), b"" = rebuild it (replay)
     hold_kv: bool = False  # when finished keep the blocks until release() (prefill exports them)

@@ -240,6 +240,11 @@ class Engine:
         seq = self._live(request_id)
         return self.kv.export_state(request_id, seq.num_computed)
 
+    def cached_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` (this engine's chained keys) its own prefix cache holds now: a
+        worker need not fetch those, it passes b"" for them (and the scheduler checks again at admission)."""
+        return self.blocks.cached_prefix(hashes)
+
     @property
     def replay_tokens(self) -> int:
         """Tokens recomputed before a prefix restored without its short-term state (0: nothing to rebuild)."""
@@ -281,8 +286,8 @@ class Engine:
             raise ValueError(f"prefix_tokens {req.prefix_tokens} outside [0, {n}]")
         if len(req.prefix_blocks) != -(-req.prefix_tokens // self.block_tokens):
             raise ValueError(f"{len(req.prefix_blocks)} prefix blocks for {req.prefix_tokens} prefix tokens")
-        if any(len(b) != self.block_bytes for b in req.prefix_blocks):
-            raise ValueError(f"prefix blocks must be {self.block_bytes} bytes each")
+        if any(len(b) not in (0, self.block_bytes) for b in req.prefix_blocks):
+            raise ValueError(f"prefix blocks must be {self.block_bytes} bytes each (or b'' for one held here)")
         sp = req.sampling
         if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
             raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")

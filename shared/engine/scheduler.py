@@ -237,13 +237,17 @@ class Scheduler:
         computed = len(table) * self.bt
         imports: list[tuple[int, bytes]] = []
         if seq.prefix_tokens > computed:
-            fresh = self.blocks.allocate(len(seq.prefix_blobs) - len(table))
+            blobs = seq.prefix_blobs[len(table) :]
+            # b"" stands for a block the sender expected this engine to hold (and did not fetch): if it no
+            # longer does, the imported prefix ends there and the rest is computed
+            blobs = blobs[: next((i for i, b in enumerate(blobs) if not b), len(blobs))]
+            fresh = self.blocks.allocate(len(blobs))
             if fresh is None:
                 self.blocks.free(table)
                 return 0
-            imports = list(zip(fresh, seq.prefix_blobs[len(table) :]))
+            imports = list(zip(fresh, blobs))
             table += fresh
-            computed = min(seq.prefix_tokens, seq.num_tokens - 1)
+            computed = min(seq.prefix_tokens, len(table) * self.bt, seq.num_tokens - 1)
         # The model may need to recompute some tokens before `computed` (V4's bounded replay rebuilds the
         # short-term state that the blocks do not hold); their blocks stay in the table, read-only.
         start = self.resume(seq, computed)

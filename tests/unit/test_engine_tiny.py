@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from shared import hashing
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.engine.loader import LoadedModel, load
 from shared.models import resolve
@@ -204,3 +205,29 @@ def test_local_prefix_cache_is_shared_only_within_a_salt(checkpoint: Path) -> No
     assert cached("a2", "tenant-a") == 48  # three full blocks of the first request, found again
     assert cached("b1", "tenant-b") == 0  # same tokens, another tenant: never shared
     assert cached("a3", "tenant-a") == 48
+
+
+def test_prefix_blocks_the_engine_holds_need_not_travel(checkpoint: Path) -> None:
+    """b"" in prefix_blocks stands for a block the engine's own prefix cache holds: it is not imported; where the
+    engine no longer holds it, the imported prefix stops there and the rest is computed. Tokens never change."""
+    greedy = SamplingParams(temperature=0)
+    prompt = list(range(3, 60))  # 57 tokens: 3 full blocks + 9
+    source = Engine(str(checkpoint), kv_blocks=64)
+    want = run_to_completion(source, [EngineRequest("src", prompt, greedy, 6, hold_kv=True)])["src"]
+    blobs = source.export_blocks("src", 0, 4)
+    engine = Engine(str(checkpoint), kv_blocks=64)
+    run_to_completion(engine, [EngineRequest("warm", prompt[:40], greedy, 1)])  # caches blocks 0 and 1 here
+    hashes = hashing.block_hashes(prompt, hashing.namespace(engine.cache_id), engine.block_tokens)
+    assert engine.cached_blocks(hashes) == 2
+
+    def run(rid: str, prefix: list[bytes]) -> tuple[list[int], int]:
+        engine.add(EngineRequest(rid, prompt, greedy, 6, prefix_blocks=prefix, prefix_tokens=len(prompt)))
+        tokens, cached = [], 0
+        while engine.has_work():
+            for out in engine.step():
+                tokens += out.token_ids
+                cached = out.num_cached_tokens
+        return tokens, cached
+
+    assert run("gone", [b"", b"", b"", blobs[3]]) == (want, 32)  # block 2 is not here: computed from 32 on
+    assert run("held", [b"", b"", b"", blobs[3]]) == (want, 56)  # now it is (the last request left it)
