@@ -20,10 +20,6 @@ from shared.models import ModelFiles, ModelNotFound, resolve
 from shared.schemas.generate import SamplingParams
 from shared.tokenizer import Tokenizer, load_tokenizer
 
-# config.json's model_type or one of its architectures that mark a DeepSeek-V4 checkpoint (as the recipe reads it)
-V4_ARCHITECTURES = frozenset({"deepseek_v4", "DeepseekV4ForCausalLM"})
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file or HF checkpoint dir")
@@ -78,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 def model_tokenizer(files: ModelFiles) -> Tokenizer:
     """The tokenizer the recipe serves `files` with (a V4 checkpoint often ships none of its own)."""
     info = load_model_info(files)
-    if files.format == "hf" and V4_ARCHITECTURES & {info.architecture, *info.architectures}:
+    if files.format == "hf" and info.is_deepseek_v4:
         return load_v4_tokenizer(files)
     return load_tokenizer(files)
 

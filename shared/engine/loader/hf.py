@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from shared.engine.config import ModelConfig
 from shared.engine.loader import deepseek_v4
+from shared.model_info import is_deepseek_v4
 
 SUPPORTED = {"LlamaForCausalLM": "llama"}
 ARCH_LOADERS: dict[str, Callable[[Path], tuple[ModelConfig, dict[str, torch.Tensor]]]] = {
@@ -21,7 +22,9 @@ ARCH_LOADERS: dict[str, Callable[[Path], tuple[ModelConfig, dict[str, torch.Tens
 
 def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     raw = json.loads((path / "config.json").read_text())
-    archs = [deepseek_v4.ARCH] if deepseek_v4.is_deepseek_v4(raw) else raw.get("architectures") or []
+    archs = raw.get("architectures") or []
+    if is_deepseek_v4(raw.get("model_type", ""), archs):
+        archs = [deepseek_v4.ARCH]
     own = next((ARCH_LOADERS[a] for a in archs if a in ARCH_LOADERS), None)
     if own is not None:
         return own(path)
