@@ -108,7 +108,7 @@ class V4Cache:
     def begin(self, request_id: str, restored: int) -> int:
         """A request is admitted with `restored` tokens' blocks in its table (a multiple of block_tokens, or
         its imported prefix); returns the position to compute from."""
-        blob = self._pending.pop(request_id, None)
+        blob = self._pending.get(request_id)  # kept until drop_state: an admission that fails comes back
         if blob is not None:
             state = self._decode(blob)
             if state.length == restored:

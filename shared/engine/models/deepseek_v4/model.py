@@ -203,7 +203,8 @@ class DeepseekV4:
             input_ids = torch.where(input_ids < 0, fed[(-input_ids - 1).clamp(min=0)], input_ids)
         x = self.embed[input_ids]
         streams = x.unsqueeze(1).expand(-1, s.hc_mult, -1).contiguous()  # (T, hc, D)
-        states = [kv.state(span.request_id, int(positions[span.q_start])) for span in meta.spans]
+        # a span's first position is its context less its query rows (no read-back from the device)
+        states = [kv.state(span.request_id, span.context_len - span.q_len) for span in meta.spans]
         angles = {"main": self.rope_main.angles(positions), "compress": self.rope_compress.angles(positions)}
         for i, layer in enumerate(self.layers):
             post, comb, h = self._hc_pre(streams, layer.hc_attn)
@@ -213,7 +214,7 @@ class DeepseekV4:
             out = self._moe(layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids)
             streams = self._hc_post(out, post, comb, streams)
         for span, state in zip(meta.spans, states):
-            state.length = int(positions[span.q_start]) + span.q_len
+            state.length = span.context_len
         return streams
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
@@ -359,7 +360,7 @@ class DeepseekV4:
                     ) -> torch.Tensor:
         """One sequence's chunk of n queries at positions start..start+n-1: (n, H, d)."""
         s = self.spec
-        n, start, W = q.shape[0], int(pos[0]), s.window
+        n, start, W = q.shape[0], span.context_len - span.q_len, s.window
         # sliding window: ring positions [max(begin, start - W + 1), start) then this chunk's keys
         first = max(state.begin, start - W + 1)
         ring = state.swa[i]
