@@ -267,11 +267,11 @@ class DeepseekV4:
             drafts.append(token)
             if step + 1 < k:
                 out = self._mtp_block(kv, request_id, out[None], torch.tensor([token], device=out.device),
-                                      position + step, provisional=True)[-1]
+                                      position + step)[-1]
         return drafts
 
-    def _mtp_block(self, kv: V4Cache, request_id: str, h: torch.Tensor, tokens: torch.Tensor, first: int,
-                   provisional: bool = False) -> torch.Tensor:
+    def _mtp_block(self, kv: V4Cache, request_id: str, h: torch.Tensor, tokens: torch.Tensor, first: int
+                   ) -> torch.Tensor:
         """The MTP layer over pairs (h_j, token j + 1) at positions first..first + n - 1 -> streams (n, hc, D)."""
         assert self.mtp is not None
         s, m = self.spec, self.mtp
@@ -289,7 +289,6 @@ class DeepseekV4:
         streams = self._hc_post(out, post, comb, streams)
         post, comb, x = self._hc_pre(streams, layer.hc_ffn)
         streams = self._hc_post(self._moe(layer, rms(x, layer.ffn_norm, s.rms_eps), tokens), post, comb, streams)
-        del provisional  # the ring slots it wrote are simply rewritten by the next true pairs
         return streams
 
     # --- manifold-constrained hyper-connections -----------------------------------------------------------------
