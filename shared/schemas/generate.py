@@ -11,9 +11,12 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's; 0 = off
+    repetition_penalty: float = 1.0  # vLLM's / HF's: logits of tokens seen in prompt or output /(>0) or x(<0); 1 = off
+    min_tokens: int = 0  # stop ids (EOS included) are masked until this many tokens were generated
     seed: int | None = None  # None = nondeterministic
     stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # the model's EOS ids do not end the sequence (stop_token_ids still do)
 
 
 @dataclass(frozen=True)
