@@ -234,9 +234,11 @@ class RecipeService:
         assert self._bus is not None
         rid = flight.request_id
         if out.done:
-            self._drop(rid)
+            # A stored response is kept before the client sees its end (so it can continue from it at once), and
+            # before _drop: the unsubscribe it schedules would cancel this handler at its first real wait.
             if out.status == 200 and flight.prepared.api == "responses" and self._responses is not None:
                 await self._responses.keep(flight.prepared, flight.response())
+            self._drop(rid)
         now = time.monotonic()
         # A non-streaming answer sends nothing until it is done: an empty event now and then tells the gateway
         # the request is alive, so a long generation is not mistaken for a silent one.
