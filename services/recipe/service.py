@@ -133,15 +133,11 @@ class RecipeService:
             return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
         body: bytes | dict = req.body
         intent: StoreIntent | None = None
-        if req.api == "responses":  # previous_response_id: the stored conversation goes before the new input
+        if req.api == "responses":
             try:
-                assert self._responses is not None
-                body, intent = await self._responses.expand(req.body, req.tenant)
+                body, intent = await self._expand(req)
             except ApiError as exc:
                 return _refuse(exc)
-            except Exception as exc:  # the KV bucket is unreachable: the request cannot be continued now
-                log.warning("%s: response store unavailable: %s", req.request_id, exc)
-                return _refuse(error_for(req.api, 503, "stored responses are not available right now, try again"))
         try:
             prepared, model, prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, req.api, body)
         except ConversionError as exc:
@@ -152,6 +148,18 @@ class RecipeService:
         if intent is not None:
             prepared = annotate(prepared, intent)
         return await self._launch(req, prepared, model, prompt_ids, max_tokens)
+
+    async def _expand(self, req: PrepareRequest) -> tuple[bytes | dict, StoreIntent | None]:
+        """A Responses request's store settings, and its body with the stored conversation before its new input
+        when it names a previous_response_id. Raises ApiError (400, 404, 503)."""
+        assert self._responses is not None
+        try:
+            return await self._responses.expand(req.body, req.tenant)
+        except ApiError:
+            raise
+        except Exception as exc:  # the KV bucket is unreachable: the request cannot be continued now
+            log.warning("%s: response store unavailable: %s", req.request_id, exc)
+            raise error_for(req.api, 503, "stored responses are not available right now, try again") from None
 
     def _prepare(self, api: str, body: bytes | dict) -> tuple[PreparedRequest, ServedModel, list[int], int]:
         """Convert, render, encode, size: everything the reference checks, in its order. Off the event loop."""
