@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -39,6 +40,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")  # JetStream KV's key syntax (dots separate tokens)
+MAX_KEY_LENGTH = 256
 
 
 class Retry(Exception):
@@ -359,8 +362,7 @@ class KeyValueBucket(Generic[T]):
 
     @staticmethod
     def valid_key(key: str) -> bool:
-        return bool(key) and len(key) <= 256 and all(c.isascii() and (c.isalnum() or c in "-_=/.") for c in key) \
-            and not key.startswith(".") and not key.endswith(".")
+        return len(key) <= MAX_KEY_LENGTH and KV_KEY.fullmatch(key) is not None
 
     async def get(self, key: str) -> T | None:
         """The record, or None if there is none (never written, deleted, expired, or not decodable)."""
