@@ -8,23 +8,28 @@ Work queues are JetStream pull consumers on the `work.>` stream: a handler that 
 that raises `Retry` naks it with a delay (redelivered later), one that raises `Reject` or receives a payload that
 fails its schema terminates it (it could never succeed). A running handler keeps its message alive with
 `in_progress()` so long work is not redelivered under it.
+
+Key-value buckets (JetStream KV) hold small typed records shared by every instance of a service and kept across
+restarts, each for the bucket's TTL: `key_value(bucket, Type, ttl_s=...)` gives a `KeyValueBucket[Type]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
+from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind
 
 from shared import codec, subjects, tracing
@@ -35,6 +40,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")  # JetStream KV's key syntax (dots separate tokens)
+MAX_KEY_LENGTH = 256
 
 
 class Retry(Exception):
@@ -214,6 +221,21 @@ class Bus:
         except NotFoundError:
             pass
 
+    # --- JetStream key-value buckets ----------------------------------------------------------------------------
+
+    async def key_value(self, bucket: str, value_type: type[T], *, ttl_s: float) -> KeyValueBucket[T]:
+        """The bucket, created if missing; an existing one gets `ttl_s` (the newest setting wins, so a service
+        restarted with another TTL applies it). Every entry expires `ttl_s` after its last write."""
+        try:
+            kv = await self._js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1))
+        except BadRequestError:  # it exists with another configuration: keep its entries, change its max age
+            stream = f"KV_{bucket}"
+            info = await self._js.stream_info(stream)
+            if info.config.max_age != ttl_s:
+                await self._js.update_stream(info.config.evolve(max_age=ttl_s))
+            kv = await self._js.key_value(bucket)
+        return KeyValueBucket(kv, value_type)
+
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
     def _spawn(self, coro: Awaitable[None]) -> None:
@@ -328,3 +350,36 @@ class WorkQueue:
             await self._psub.unsubscribe()
         except Exception as exc:
             log.debug("unsubscribe: %s", exc)
+
+
+class KeyValueBucket(Generic[T]):
+    """One JetStream KV bucket of `T` records. Keys must be KV keys (letters, digits, `-_=/.`); callers check
+    keys that come from clients with `valid_key` first."""
+
+    def __init__(self, kv: KeyValue, value_type: type[T]) -> None:
+        self._kv = kv
+        self._type = value_type
+
+    @staticmethod
+    def valid_key(key: str) -> bool:
+        return len(key) <= MAX_KEY_LENGTH and KV_KEY.fullmatch(key) is not None
+
+    async def get(self, key: str) -> T | None:
+        """The record, or None if there is none (never written, deleted, expired, or not decodable)."""
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:  # KeyDeletedError is one too
+            return None
+        if entry.value is None:
+            return None
+        try:
+            return codec.decode(self._type, entry.value)
+        except codec.SchemaError as exc:  # written by an incompatible version: as good as absent
+            log.warning("dropping unreadable %s record %s: %s", self._type.__name__, key, exc)
+            return None
+
+    async def put(self, key: str, value: T) -> None:
+        await self._kv.put(key, codec.encode(value))
+
+    async def delete(self, key: str) -> None:
+        await self._kv.delete(key)

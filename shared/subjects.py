@@ -29,6 +29,11 @@ def decode_work(worker_id: str) -> str:
 # Core NATS request/reply.
 RECIPE_PREPARE = "recipe.prepare"
 RECIPE_COUNT_TOKENS = "recipe.count_tokens"
+RECIPE_TOKENIZE = "recipe.tokenize"  # TokenizeRequest -> JsonReply (vLLM's POST /tokenize)
+RECIPE_DETOKENIZE = "recipe.detokenize"  # DetokenizeRequest -> JsonReply (vLLM's POST /detokenize)
+RECIPE_MODELS = "recipe.models"  # ModelsRequest -> ModelsReply: the served models' context lengths
+RECIPE_RESPONSE_GET = "recipe.responses.get"  # StoredResponseQuery -> JsonReply (GET /v1/responses/{id})
+RECIPE_RESPONSE_DELETE = "recipe.responses.delete"  # StoredResponseQuery -> JsonReply (DELETE ...)
 KV_LOOKUP = "kv.lookup"
 KV_GET = "kv.get"
 KV_PUT = "kv.put"
@@ -62,6 +67,10 @@ def tokens(request_id: str) -> str:
 
 def events(request_id: str) -> str:
     return f"events.{request_id}"
+
+
+# JetStream key-value buckets.
+RESPONSES_BUCKET = "deepinfer_responses"  # response id -> StoredResponse (Responses API `store`), with a TTL
 
 
 # Queue groups: one member of the group handles each request/reply message.

@@ -16,6 +16,7 @@ from services.gateway.routes.count import CountTokensHandler
 from services.gateway.routes.generate import GenerateHandler
 from services.gateway.routes.models import ModelsHandler
 from services.gateway.routes.ops import OpsHandler
+from services.gateway.routes.query import RecipeQueries
 from services.gateway.streaming import Pumps
 from shared.bus import Bus
 
@@ -40,8 +41,9 @@ def build_app(bus: Bus, config: GatewayConfig, models: list[str]) -> web.Applica
         event_timeout_s=config.event_timeout_s,
         max_body_bytes=config.max_body_bytes,
     )
-    models_handler = ModelsHandler(models, created=int(time.time()))
+    models_handler = ModelsHandler(models, created=int(time.time()), bus=bus)
     ops = OpsHandler(lambda: bus.connected, pumps, metrics, functools.partial(kv_metrics.scrape, bus))
     count = CountTokensHandler(bus, timeout_s=config.request_timeout_s, max_body_bytes=config.max_body_bytes)
-    add_routes(app, generate, count, models_handler, ops)
+    queries = RecipeQueries(bus, timeout_s=config.request_timeout_s, max_body_bytes=config.max_body_bytes)
+    add_routes(app, generate, count, models_handler, ops, queries)
     return app

@@ -35,12 +35,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--stop-grace", type=float, default=float(env("DEEPINFER_RECIPE_STOP_GRACE", "5")),
         help="seconds to let requests in flight finish on shutdown",
     )
+    parser.add_argument(
+        "--response-ttl", type=float, default=float(env("DEEPINFER_RESPONSE_TTL", "3600")),
+        help="seconds a Responses API response created with `store` is kept for previous_response_id and "
+        "GET /v1/responses/{id} (shared by every recipe instance, kept across restarts)",
+    )
 
 
 def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
     # --model may list several models, comma-separated; each is served under its ModelFiles.name.
     specs = [s.strip() for s in config.model.split(",") if s.strip()]
-    return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace)
+    if args.response_ttl <= 0:
+        raise ValueError(f"--response-ttl must be positive, got {args.response_ttl}")
+    return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace, response_ttl_s=args.response_ttl)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ class Flight:
     def done(self) -> bool:
         return self._processor.done
 
+    def response(self) -> bytes:
+        """The complete response JSON, once the request finished well (streamed or not)."""
+        return self._processor.body()
+
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq - 1

@@ -7,7 +7,9 @@
     anyone --requests.cancel--> on_cancel(): drop the request's state
 
 Per-request state (a Flight and its token subscription) ends on finish, on cancel, or after `ttl_s` without
-a token event (the client then gets a 504 and the workers a Cancel).
+a token event (the client then gets a 504 and the workers a Cancel). A Responses request created with `store`
+is kept (responses_store.py) before its last event goes out, so the client can continue from it at once.
+Questions that generate nothing (tokenize, models, stored responses) are answered by `queries.Queries`.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from services.recipe.flight import Flight, Output
 from services.recipe.formats import render
 from services.recipe.model import ServedModel
 from services.recipe.prepared import RESPONSE_ID_PREFIXES, PreparedRequest
+from services.recipe.queries import Queries
+from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
 from shared import subjects
 from shared.bus import Bus, Envelope
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel, GenerateRequest, SamplingParams, TokenEvent
+from shared.schemas.responses import StoredResponse
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +53,20 @@ def _refuse(error: ApiError) -> PrepareReply:
 class RecipeService:
     name = "recipe"
 
-    def __init__(self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0) -> None:
+    def __init__(
+        self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0,
+        response_ttl_s: float = DEFAULT_TTL_S,
+    ) -> None:
         """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load
-        in `start`, off the event loop."""
+        in `start`, off the event loop. `response_ttl_s`: how long a stored response is kept."""
         if not model_specs:
             raise ValueError("the recipe needs at least one model")
         self._specs = list(model_specs)
         self._ttl_s = ttl_s
         self._stop_grace_s = stop_grace_s
+        self._response_ttl_s = response_ttl_s
+        self._responses: ResponseStore | None = None
+        self._query_subs: list[Subscription] = []
         self._models: dict[str, ServedModel] = {}
         self._options = ConvertOptions(models={})  # the served models' names and formats, once loaded
         self._flights: dict[str, Flight] = {}
@@ -77,6 +88,8 @@ class RecipeService:
         self._models = {m.name: m for m in models}
         self._options = ConvertOptions(models={m.name: m.encoding for m in models})
         await bus.ensure_work_stream()  # submits must not fail while no balancer has created it yet
+        bucket = await bus.key_value(subjects.RESPONSES_BUCKET, StoredResponse, ttl_s=self._response_ttl_s)
+        self._responses = ResponseStore(bucket)
         self._cancel_sub = await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         self._prepare_sub = await bus.serve(
             subjects.RECIPE_PREPARE, PrepareRequest, self.prepare, queue=subjects.RECIPE_GROUP
@@ -84,6 +97,7 @@ class RecipeService:
         self._count_sub = await bus.serve(
             subjects.RECIPE_COUNT_TOKENS, CountTokensRequest, self.count_tokens, queue=subjects.RECIPE_GROUP
         )
+        self._query_subs = await Queries(self._models, self._options, self._responses).subscribe(bus)
         self._reaper = asyncio.create_task(self._reap())
         self._status = "ready"
         log.info("serving %s", ", ".join(f"{m.name} ({m.encoding}, context {m.context_length})" for m in models))
@@ -91,7 +105,7 @@ class RecipeService:
     async def stop(self) -> None:
         """Take no new requests, let those in flight finish for a grace period, then fail the rest."""
         self._status = "stopping"
-        for sub in (self._prepare_sub, self._count_sub):
+        for sub in (self._prepare_sub, self._count_sub, *self._query_subs):
             if sub is not None:
                 await _unsubscribe(sub)
         deadline = time.monotonic() + self._stop_grace_s
@@ -117,14 +131,35 @@ class RecipeService:
             return _refuse(openai_error(404, f"API {req.api!r} is not supported", code="unsupported_api"))
         if req.request_id in self._flights:
             return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
+        body: bytes | dict = req.body
+        intent: StoreIntent | None = None
+        if req.api == "responses":
+            try:
+                body, intent = await self._expand(req)
+            except ApiError as exc:
+                return _refuse(exc)
         try:
-            prepared, model, prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, req.api, req.body)
+            prepared, model, prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, req.api, body)
         except ConversionError as exc:
             return _refuse(api_error(req.api, exc))
         except Exception:  # a codec bug: the client still gets an answer in its API's format, not a timeout
             log.exception("%s: prepare failed", req.request_id)
             return _refuse(error_for(req.api, 500, "internal error while preparing the request"))
+        if intent is not None:
+            prepared = annotate(prepared, intent)
         return await self._launch(req, prepared, model, prompt_ids, max_tokens)
+
+    async def _expand(self, req: PrepareRequest) -> tuple[bytes | dict, StoreIntent | None]:
+        """A Responses request's store settings, and its body with the stored conversation before its new input
+        when it names a previous_response_id. Raises ApiError (400, 404, 503)."""
+        assert self._responses is not None
+        try:
+            return await self._responses.expand(req.body, req.tenant)
+        except ApiError:
+            raise
+        except Exception as exc:  # the KV bucket is unreachable: the request cannot be continued now
+            log.warning("%s: response store unavailable: %s", req.request_id, exc)
+            raise error_for(req.api, 503, "stored responses are not available right now, try again") from None
 
     def _prepare(self, api: str, body: bytes | dict) -> tuple[PreparedRequest, ServedModel, list[int], int]:
         """Convert, render, encode, size: everything the reference checks, in its order. Off the event loop."""
@@ -165,7 +200,7 @@ class RecipeService:
             stop_token_ids=sorted(model.tokenizer.eos_ids),
         )
         processor = OutputProcessor(
-            prepared, response_id=f"{RESPONSE_ID_PREFIXES[prepared.api]}{rid}", tokens=model.tokens,
+            prepared, response_id=_response_id(req, prepared), tokens=model.tokens,
             count_tokens=model.count_tokens,
         )
         self._flights[rid] = Flight(rid, prepared, processor, time.monotonic())
@@ -207,6 +242,10 @@ class RecipeService:
         assert self._bus is not None
         rid = flight.request_id
         if out.done:
+            # A stored response is kept before the client sees its end (so it can continue from it at once), and
+            # before _drop: the unsubscribe it schedules would cancel this handler at its first real wait.
+            if out.status == 200 and flight.prepared.api == "responses" and self._responses is not None:
+                await self._responses.keep(flight.prepared, flight.response())
             self._drop(rid)
         now = time.monotonic()
         # A non-streaming answer sends nothing until it is done: an empty event now and then tells the gateway
@@ -241,6 +280,13 @@ class RecipeService:
             for flight in [f for f in self._flights.values() if f.last_seen < cutoff]:
                 log.warning("%s: no tokens for %.0f s, expiring", flight.request_id, self._ttl_s)
                 await self._emit(flight, flight.fail(504, "timed out waiting for the model", "timeout"))
+
+
+def _response_id(req: PrepareRequest, prepared: PreparedRequest) -> str:
+    """The id the client sees. With an X-Request-Id it derives from the client's id, as vLLM's do; a Responses
+    id is a storage key (and OpenAI's are server-made), so it stays ours, unique."""
+    own = req.client_request_id if req.client_request_id and prepared.api != "responses" else req.request_id
+    return f"{RESPONSE_ID_PREFIXES[prepared.api]}{own}"
 
 
 async def _unsubscribe(sub: Subscription) -> None:

@@ -13,6 +13,7 @@ class PrepareRequest:
     api: str  # "chat" | "messages" | "completions" | "responses"
     body: bytes  # raw JSON object, already known to parse
     tenant: str = ""  # salts cache keys (API key presented); "" = anonymous
+    client_request_id: str = ""  # the client's X-Request-Id (validated): the ids it sees derive from it
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,50 @@ class CountTokensRequest:
 class CountTokensReply:
     status: int
     body: bytes  # the API's response JSON: the count, or its error body
+
+
+@dataclass(frozen=True)
+class JsonReply:
+    """The recipe's whole answer to an HTTP request that generates nothing: the status and the JSON body
+    (the result, or an error in the API's format)."""
+
+    status: int
+    body: bytes
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """gateway -> recipe (`recipe.tokenize`): vLLM's /tokenize body (a prompt, or chat messages)."""
+
+    body: bytes
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """gateway -> recipe (`recipe.detokenize`): vLLM's /detokenize body (token ids)."""
+
+    body: bytes
+
+
+@dataclass(frozen=True)
+class ModelsRequest:
+    """gateway -> recipe (`recipe.models`): which models do you serve, and how long is each one's context?"""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    max_model_len: int  # the context length the recipe enforces (prompt + completion tokens)
+
+
+@dataclass(frozen=True)
+class ModelsReply:
+    models: list[ModelCard] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StoredResponseQuery:
+    """gateway -> recipe (`recipe.responses.get` / `.delete`): one stored response, as seen by `tenant`."""
+
+    response_id: str
+    tenant: str = ""

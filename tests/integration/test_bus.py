@@ -78,3 +78,21 @@ async def test_work_queue_ack_retry_reject(nats_url: str) -> None:
     assert attempts == {1: 1, 2: 2, 3: 1}
     trace_id = format(root.get_span_context().trace_id, "032x")
     assert all(trace_id in p for p in parents)
+
+
+async def test_key_value_bucket_typed_shared_and_retimed(nats_url: str) -> None:
+    first, second = await Bus.connect(nats_url, "a"), await Bus.connect(nats_url, "b")
+    try:
+        mine = await first.key_value("t_kv", Ping, ttl_s=60)
+        await mine.put("k-1", Ping(7, "x"))
+        theirs = await second.key_value("t_kv", Ping, ttl_s=90)  # another instance, another TTL: the newest wins
+        assert await theirs.get("k-1") == Ping(7, "x")  # the entries survive the change
+        assert (await second._js.stream_info("KV_t_kv")).config.max_age == 90
+        await theirs.delete("k-1")
+        assert await mine.get("k-1") is None and await mine.get("never") is None
+        await first._js.publish("$KV.t_kv.bad", b"\xc1")  # not a Ping: read as absent, never raised
+        assert await mine.get("bad") is None
+        assert mine.valid_key("resp_abc-1") and not mine.valid_key("a b") and not mine.valid_key("x.>")
+    finally:
+        await first.drain()
+        await second.drain()

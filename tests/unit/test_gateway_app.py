@@ -25,6 +25,8 @@ def no_recipe() -> Any:
 class FakeBus:
     """Just enough of `Bus`: `request` runs `answer`, publishes are recorded."""
 
+    connected = True
+
     def __init__(self, answer: Callable[[], Any] = no_recipe) -> None:
         self.answer = answer
         self.published: list[Any] = []
@@ -120,3 +122,19 @@ async def test_gateway_error_mid_responses_stream_is_an_error_event_the_sdk_rais
         assert seen == ["response.created"]
         assert raised.value.body == orjson.loads(error)["error"]
     assert [m.reason for m in bus.published] == ["timed out", "timed out"]
+
+
+async def test_auxiliary_routes_without_a_recipe() -> None:
+    app = build_app(FakeBus(), GatewayConfig(), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/chat/completions", data=b"{}", headers={"X-Request-Id": "bad id"})
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_request_id"
+        assert (await (await client.get("/version")).json())["version"]
+        assert (await client.get("/ping")).status == 200 and (await client.post("/ping")).status == 200
+        (card,) = (await (await client.get("/v1/models")).json())["data"]
+        assert card["id"] == "m" and "max_model_len" not in card  # no recipe to say it: listed without one
+        for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/responses/resp_1"),
+                             ("DELETE", "/v1/responses/resp_1")):
+            resp = await client.request(method, path, data=b"{}")
+            assert resp.status == 503 and (await resp.json())["error"]["type"] == "server_error"
+        assert (await client.post("/tokenize", data=b"[1]")).status == 400

@@ -2,6 +2,10 @@
 
     subscribe events.<rid>  ->  recipe.prepare (request/reply)  ->  relay ApiEvents in seq order until `done`
 
+The client's `X-Request-Id` (vLLM's convention) names the request for the client: the ids it sees derive from it
+and the header is echoed back. The mesh's own request id (its subjects, its cancel) is always ours, so no client
+id can reach another request's streams.
+
 Every accepted request ends explicitly. Any ending other than its `done` event (the client went away, the model
 fell silent, the gateway is stopping, a bug) sends Cancel(rid) on `requests.cancel`, so every hop frees what it
 holds for the request, KV blocks first of all.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 
 import orjson
@@ -33,6 +38,7 @@ log = logging.getLogger(__name__)
 # tells us at once; this poll is the backstop.
 DISCONNECT_POLL_S = 0.5
 REQUEST_ID_HEADER = "X-Request-Id"
+CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fits in an id, a header and a log line as it stands
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -68,17 +74,28 @@ async def read_json_object(request: web.Request, max_bytes: int) -> bytes:
     return body
 
 
+def client_request_id(request: web.Request) -> str:
+    """The client's X-Request-Id ("" if none); a 400 if it cannot name a request."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is None:
+        return ""
+    if not CLIENT_ID.fullmatch(value):
+        raise ApiError(400, f"{REQUEST_ID_HEADER} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+                       code="invalid_request_id")
+    return value
+
+
 class _Sse:
     """A server-sent-event response, started (headers sent) by its first write."""
 
     def __init__(self, request: web.Request, request_id: str) -> None:
         self._request = request
-        self._request_id = request_id
+        self.request_id = request_id  # as the client sees it (its X-Request-Id, or ours)
         self.response: web.StreamResponse | None = None
 
     async def write(self, data: bytes) -> None:
         if self.response is None:
-            self.response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: self._request_id})
+            self.response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: self.request_id})
             await self.response.prepare(self._request)
         await self.response.write(data)
 
@@ -110,13 +127,17 @@ class GenerateHandler:
     async def handle(self, request: web.Request, route: ApiRoute) -> web.StreamResponse:
         if self._pumps.closing:
             raise ApiError(503, "the gateway is shutting down")
+        client_id = client_request_id(request)
         body = await read_json_object(request, self._max_body_bytes)
         request_id = uuid.uuid4().hex
-        trace.get_current_span().set_attribute("request_id", request_id)
+        span = trace.get_current_span()
+        span.set_attribute("request_id", request_id)
+        if client_id:
+            span.set_attribute("client_request_id", client_id)
         tenant = tenant_of(presented_key(request.headers))
-        prepare = PrepareRequest(request_id=request_id, api=route.api, body=body, tenant=tenant)
-        headers = {REQUEST_ID_HEADER: request_id}
-        sse = _Sse(request, request_id)
+        prepare = PrepareRequest(request_id, route.api, body, tenant, client_request_id=client_id)
+        headers = {REQUEST_ID_HEADER: client_id or request_id}
+        sse = _Sse(request, headers[REQUEST_ID_HEADER])
         # Subscribe first: the recipe may publish events before its reply reaches us.
         async with self._pumps.open(request_id) as pump:
             try:
@@ -159,7 +180,7 @@ class GenerateHandler:
             event = await self._next_event(request, pump)
             if event.done and event.status != 200 and event.body and sse.response is None:
                 # Failed before any frame went out: still time for a plain HTTP error (its error frames unused).
-                return json_response(event.status, event.body, {REQUEST_ID_HEADER: pump.request_id})
+                return json_response(event.status, event.body, {REQUEST_ID_HEADER: sse.request_id})
             if event.frames:
                 await sse.write(b"".join(event.frames))
             if event.done:

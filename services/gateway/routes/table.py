@@ -25,6 +25,9 @@ API_ROUTES = (
 # Prompt-size questions answered by the recipe without generating: path -> the API whose request shape they take.
 COUNT_ROUTES = (ApiRoute("/v1/messages/count_tokens", "messages", ANTHROPIC),)
 
+# A stored response (GET, DELETE): answered by the recipe from its response store.
+RESPONSE_BY_ID = "/v1/responses/{response_id}"
+
 _BY_PATH = {route.path: route for route in (*API_ROUTES, *COUNT_ROUTES)}
 
 

@@ -8,7 +8,8 @@ its *.done events when the next opens or the response ends. A message that tool 
 and the response "incomplete". Event keys after "type" are in alphabetical order, as the oracle writes them.
 
 The response object reports request settings (`echo`, filled by the input side's conversion): instructions,
-max_output_tokens, reasoning, temperature, text, tool_choice, tools, top_logprobs, top_p, user. They may come
+max_output_tokens, reasoning, temperature, text, tool_choice, tools, top_logprobs, top_p, user, and (from the
+service, which keeps stored responses) store and previous_response_id. They may come
 as the request wrote them: absent ones get the reference's defaults and `reasoning`, `text` and function /
 namespace tools get the reference's full shape (missing fields as null, its key order).
 """
@@ -27,6 +28,8 @@ ECHO_DEFAULTS: dict[str, Any] = {
     "instructions": None, "max_output_tokens": None, "reasoning": {"effort": None, "summary": None},
     "temperature": 1.0, "text": {"format": {"type": "text"}, "verbosity": None}, "tool_choice": "auto",
     "tools": [], "top_logprobs": 0, "top_p": 1.0, "user": None,
+    # set by the recipe service, which stores responses (responses_store.py); the reference stores none
+    "store": False, "previous_response_id": None,
 }
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -106,8 +109,8 @@ class ResponsesEmitter:
             "frequency_penalty": 0.0, "incomplete_details": incomplete, "instructions": e["instructions"],
             "max_output_tokens": e["max_output_tokens"], "max_tool_calls": None, "model": self._model,
             "moderation": None, "output": output, "parallel_tool_calls": True, "presence_penalty": 0.0,
-            "previous_response_id": None, "prompt_cache_key": None, "prompt_cache_retention": None,
-            "reasoning": e["reasoning"], "safety_identifier": None, "service_tier": "default", "store": False,
+            "previous_response_id": e["previous_response_id"], "prompt_cache_key": None, "prompt_cache_retention": None,
+            "reasoning": e["reasoning"], "safety_identifier": None, "service_tier": "default", "store": e["store"],
             "temperature": e["temperature"], "text": e["text"], "tool_choice": e["tool_choice"],
             "tools": e["tools"], "top_logprobs": e["top_logprobs"], "top_p": e["top_p"], "truncation": "disabled",
             "usage": usage, "user": e["user"], "metadata": {},

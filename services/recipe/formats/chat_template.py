@@ -49,11 +49,14 @@ def flatten(conv: Conversation, model_name: str) -> list[dict[str, Any]]:
     return out
 
 
-def render(conv: Conversation, model: TemplateModel) -> str:
+def render(conv: Conversation, model: TemplateModel, *, add_generation_prompt: bool = True) -> str:
+    """`add_generation_prompt=False` (vLLM's /tokenize) leaves out the opening of the assistant's turn."""
     if model.template is None:
         raise ConversionError(f"model {model.name} has no chat template; use the completions API")
     messages = flatten(conv, model.name)
     try:
-        return model.template.render(messages, add_generation_prompt=True, continue_final_message=conv.continues_prefix)
+        return model.template.render(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=conv.continues_prefix
+        )
     except TemplateError as exc:  # the template refused the conversation: the client's to fix
         raise ConversionError(str(exc)) from None
