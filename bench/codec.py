@@ -7,7 +7,7 @@ hints), kept below verbatim as the reference that `tests/unit/test_codec.py` che
 generated token rides in (decode worker -> recipe, recipe -> gateway); per-request cost = the messages a request
 crosses once (recipe -> balancer -> prefill -> balancer -> decode).
 
-    .venv/bin/python bench/codec.py [--seconds 0.02] [--out bench/results/2026-12-01-codec-cpu.md]
+    .venv/bin/python bench/codec.py [--seconds 0.02] [--rounds 15] [--out bench/results/2026-12-01-codec-cpu.md]
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import datetime
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
+import time
 import types
 import typing
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -182,40 +185,50 @@ PER_REQUEST = {"GenerateRequest": 1, "PrefillJob": 1, "DecodeJob": 2}
 # --- timing ------------------------------------------------------------------------------------------------------
 
 
-def per_call(fn: Callable[[], Any], seconds: float) -> float:
-    """Median seconds per call of fn, over batches of about `seconds` each (one call is far below the clock's
-    resolution for a small message)."""
-    from bench.timing import cuda_time  # imports torch: only when timing, so the test can import the reference
+CELLS = ("enc before", "enc now", "dec before", "dec now")
 
+
+def batch_size(fn: Callable[[], Any], seconds: float) -> int:
+    """Calls of fn that last about `seconds` (one call of a small message is far below the clock's resolution)."""
     n = 1
-    while True:  # grow the batch until it lasts `seconds`
-        t = cuda_time(lambda: [fn() for _ in range(n)], reps=1, warm=0)
+    while True:
+        t = timed(fn, n)
         if t >= seconds or n >= 1 << 20:
-            break
+            return n
         n = max(n * 2, int(n * seconds / max(t, 1e-9)))
-    return cuda_time(lambda: [fn() for _ in range(n)], reps=9, warm=1) / n
+
+
+def timed(fn: Callable[[], Any], n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return time.perf_counter() - t
 
 
 @dataclasses.dataclass
 class Row:
     name: str
     size: int
-    times: dict[str, float]  # "enc before", "enc now", "dec before", "dec now": seconds per call
+    times: dict[str, float]  # CELLS -> median seconds per call
 
 
-def measure(seconds: float) -> list[Row]:
+def measure(seconds: float, rounds: int) -> list[Row]:
+    """Each round times one batch of every cell in turn, so before and now share whatever else the machine is
+    doing (bench/timing.py's median timer times one function's batches back to back, so it does not fit)."""
     rows = []
     for name, msg in messages().items():
         wire = codec.encode(msg)
         assert wire == before_encode(msg), f"{name}: the bytes on the wire changed"
         cls = type(msg)
         assert codec.decode(cls, wire) == before_decode(cls, wire) == msg
-        rows.append(Row(name, len(wire), {
-            "enc before": per_call(lambda: before_encode(msg), seconds),
-            "enc now": per_call(lambda: codec.encode(msg), seconds),
-            "dec before": per_call(lambda: before_decode(cls, wire), seconds),
-            "dec now": per_call(lambda: codec.decode(cls, wire), seconds),
-        }))
+        fns = dict(zip(CELLS, (lambda: before_encode(msg), lambda: codec.encode(msg),
+                               lambda: before_decode(cls, wire), lambda: codec.decode(cls, wire))))
+        sizes = {cell: batch_size(fn, seconds) for cell, fn in fns.items()}
+        samples: dict[str, list[float]] = {cell: [] for cell in CELLS}
+        for _ in range(rounds):
+            for cell, fn in fns.items():
+                samples[cell].append(timed(fn, sizes[cell]) / sizes[cell])
+        rows.append(Row(name, len(wire), {cell: statistics.median(samples[cell]) for cell in CELLS}))
     return rows
 
 
@@ -255,19 +268,21 @@ def hardware() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=0.02, help="length of one timed batch")
+    parser.add_argument("--rounds", type=int, default=15, help="timed batches per cell; the median counts")
     parser.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    import msgspec
-
-    rows = measure(args.seconds)
+    load = os.getloadavg()[0]
+    rows = measure(args.seconds, args.rounds)
+    versions = f"msgpack {'.'.join(map(str, msgpack.version))}, msgspec {msgspec.__version__}"
     report = [
         f"# Wire codec: hand-written (before) vs msgspec (now), {datetime.date.today().isoformat()}",
         "",
-        f"`bench/codec.py --seconds {args.seconds}`; {hardware()}; msgpack {'.'.join(map(str, msgpack.version))},"
-        f" msgspec {msgspec.__version__}. Median of 9 batches per cell; the bytes on the wire are identical for"
-        " every message (checked before timing). x = before / now.",
+        f"`bench/codec.py --seconds {args.seconds} --rounds {args.rounds}`; {hardware()}; {versions}; load average"
+        f" {load:.1f} at the start (a shared machine: read the ratios, not the absolute times). Median of the rounds,"
+        " before and now interleaved; the bytes on the wire are identical for every message (checked before"
+        " timing). x = before / now.",
         "",
         *table(rows),
         "",

@@ -167,6 +167,26 @@ def test_bad_payloads_fail_with_the_type_and_the_field_path(cls: type, wire: byt
         decode(cls, wire)
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError("n must not be negative")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    inner: Checked
+
+
+def test_a_schemas_own_check_fails_at_the_boundary_too() -> None:
+    assert decode(Outer, pack({"inner": {"n": 2}})) == Outer(Checked(2))
+    with pytest.raises(SchemaError, match=r"^Outer\.inner: n must not be negative$"):
+        decode(Outer, pack({"inner": {"n": -1}}))
+
+
 def test_a_schema_error_is_a_value_error() -> None:
     assert issubclass(SchemaError, ValueError)
 
