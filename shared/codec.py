@@ -1,21 +1,32 @@
 """msgpack on the wire, typed dataclasses in the code.
 
-Every bus message is a frozen dataclass declared in `shared/schemas/`. `encode` packs one as a msgpack map;
-`decode(Type, data)` unpacks and validates it against the dataclass's annotations, so a bad payload fails here,
-once, at the boundary, as a `SchemaError` (never deep inside a handler). No pickle, ever.
+Every bus message is a frozen dataclass declared in `shared/schemas/`. `encode` packs one as a msgpack map keyed
+by field name (every field, in declaration order); `decode(Type, data)` unpacks and validates it against the
+dataclass's annotations, so a bad payload fails here, once, at the boundary, as a `SchemaError` (never deep inside
+a handler). No pickle, ever.
+
+Both directions are msgspec's (C, one pass, no intermediate dicts). What it accepts is what the schemas say,
+strictly: int for a float field (made a float), but no bool for an int, no str for bytes (bytes are msgpack bin),
+no float for an int. Map keys a dataclass does not declare are skipped, so an older reader accepts a newer
+writer's message (but such a key must be a string, as every field name is).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
+import re
 from functools import cache
 from typing import Any, TypeVar
 
-import msgpack
+import msgspec
 
 T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+
+# msgspec's ValidationError text: "<what> - at `$.a.b[3]`", or "<what> - at `key` in `$.a`" for a bad map key;
+# nothing after <what> when the fault is the message itself.
+_AT = re.compile(r"^(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
 
 
 class SchemaError(ValueError):
@@ -23,94 +34,33 @@ class SchemaError(ValueError):
 
 
 def encode(message: Any) -> bytes:
-    return msgpack.packb(_to_wire(message), use_bin_type=True)
+    return _encoder.encode(message)
 
 
 def decode(cls: type[T], data: bytes) -> T:
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
+        return _decoder(cls).decode(data)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
+        raise SchemaError(_explain(cls, str(exc))) from None
+    except (msgspec.DecodeError, OverflowError) as exc:  # OverflowError: an integer no Python int field can hold
         raise SchemaError(f"{cls.__name__}: not msgpack ({exc})") from None
-    return from_wire(cls, raw)
-
-
-def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
-    return value
 
 
 @cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _decoder(cls: type[T]) -> msgspec.msgpack.Decoder[T]:
+    return msgspec.msgpack.Decoder(cls)
 
 
-def from_wire(cls: type[T], raw: Any, path: str = "") -> T:
-    where = path or cls.__name__
-    if not isinstance(raw, dict):
-        raise SchemaError(f"{where}: expected a map, got {type(raw).__name__}")
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in raw:
-            kwargs[f.name] = _check(hints[f.name], raw[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise SchemaError(f"{where}: missing field {f.name!r}")
-    return cls(**kwargs)
-
-
-def _check(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in typing.get_args(tp):
-            try:
-                return _check(option, value, where)
-            except SchemaError as exc:
-                errors.append(str(exc))
-        raise SchemaError(f"{where}: {value!r:.80} matches none of {tp}")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise SchemaError(f"{where}: expected nil")
-    if dataclasses.is_dataclass(tp):
-        return from_wire(tp, value, where)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise SchemaError(f"{where}: expected {len(args)} items")
-            return tuple(_check(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        item = args[0] if args else Any
-        checked = [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(checked) if origin is tuple else checked
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected a map, got {type(value).__name__}")
-        kt, vt = typing.get_args(tp) or (Any, Any)
-        return {_check(kt, k, where): _check(vt, v, f"{where}[{k!r}]") for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise SchemaError(f"{where}: expected a number, got {type(value).__name__}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise SchemaError(f"{where}: expected an integer, got {type(value).__name__}")
-    if tp is bytes:
-        if isinstance(value, (bytes, bytearray)):
-            return bytes(value)
-        raise SchemaError(f"{where}: expected bytes, got {type(value).__name__}")
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        raise SchemaError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    raise SchemaError(f"{where}: unsupported schema type {tp}")
+def _explain(cls: type, text: str) -> str:
+    """'Expected `int`, got `str` - at `$.sampling.top_k`' -> 'GenerateRequest.sampling.top_k: expected `int`, got
+    `str`': the type and the field path first, as every SchemaError reads."""
+    at = _AT.match(text)
+    assert at is not None  # the pattern's tail is optional: it matches any text
+    where = cls.__name__ + at["path"] if at["path"] is not None else cls.__name__
+    if at["key"]:
+        where += " (a map key)"
+    what = at["what"]
+    if missing := _MISSING.match(what):
+        return f"{where}: missing field {missing['name']!r}"
+    what = what.replace("`object`", "a map")
+    return f"{where}: {what[:1].lower()}{what[1:]}"
