@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from shared.presence import PRESENCE_TIMEOUT_S
 from shared.schemas.workers import Heartbeat, Presence
@@ -17,32 +16,26 @@ from shared.schemas.workers import Heartbeat, Presence
 ROLES = ("prefill", "decode")
 
 
-@dataclass(frozen=True)
-class _Seen:
-    at: float
-    message: Heartbeat | Presence
-
-
 class Fleet:
     def __init__(self, timeout_s: float = PRESENCE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
-        self._workers: dict[str, _Seen] = {}
-        self._services: dict[tuple[str, str], _Seen] = {}
+        self._workers: dict[str, tuple[float, Heartbeat]] = {}  # worker id -> (heard at, latest beat)
+        self._services: dict[tuple[str, str], tuple[float, Presence]] = {}  # (service, instance) -> ...
 
     def heard_worker(self, beat: Heartbeat, now: float) -> None:
-        self._workers[beat.worker_id] = _Seen(now, beat)
+        self._workers[beat.worker_id] = (now, beat)
 
     def heard_service(self, presence: Presence, now: float) -> None:
-        self._services[(presence.service, presence.instance)] = _Seen(now, presence)
+        self._services[(presence.service, presence.instance)] = (now, presence)
 
     def workers(self, now: float) -> list[Heartbeat]:
         """The latest heartbeat of every live worker, by id."""
         self._forget(now)
-        return [s.message for _, s in sorted(self._workers.items())]  # type: ignore[misc]
+        return [beat for _, (_, beat) in sorted(self._workers.items())]
 
     def services(self, now: float) -> list[Presence]:
         self._forget(now)
-        return [s.message for _, s in sorted(self._services.items())]  # type: ignore[misc]
+        return [presence for _, (_, presence) in sorted(self._services.items())]
 
     def missing(self, models: Sequence[str], now: float) -> list[str]:
         """What the mesh lacks to serve every model in `models`; [] = ready."""
@@ -57,5 +50,5 @@ class Fleet:
 
     def _forget(self, now: float) -> None:
         cutoff = now - self.timeout_s
-        self._workers = {k: s for k, s in self._workers.items() if s.at >= cutoff}
-        self._services = {k: s for k, s in self._services.items() if s.at >= cutoff}
+        self._workers = {k: seen for k, seen in self._workers.items() if seen[0] >= cutoff}
+        self._services = {k: seen for k, seen in self._services.items() if seen[0] >= cutoff}
