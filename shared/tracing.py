@@ -138,11 +138,10 @@ def continued(headers: Mapping[str, str] | None) -> Context | None:
 
 
 @contextlib.contextmanager
-def handling(name: str, headers: Mapping[str, str] | None, kind: SpanKind) -> Iterator[None]:
-    """Run a message handler inside a span that continues the message's trace; with no trace, in no span at
-    all, detached from whatever context the receiving task had."""
-    ctx = continued(headers)
-    if ctx is None:
+def within(name: str, ctx: Context | None, kind: SpanKind = SpanKind.INTERNAL) -> Iterator[None]:
+    """Run inside a span that continues the trace in `ctx`; when `ctx` holds none, in no span at all, detached
+    from whatever context the running task had (so nothing sent from there carries a trace it is not part of)."""
+    if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
         token = otel_context.attach(Context())
         try:
             yield
@@ -151,6 +150,11 @@ def handling(name: str, headers: Mapping[str, str] | None, kind: SpanKind) -> It
         return
     with tracer().start_as_current_span(name, context=ctx, kind=kind):
         yield
+
+
+def handling(name: str, headers: Mapping[str, str] | None, kind: SpanKind) -> contextlib.AbstractContextManager[None]:
+    """A message handler's span: continues the trace the message carries, none for background traffic."""
+    return within(name, extract(headers), kind)
 
 
 def current() -> Context:

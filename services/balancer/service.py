@@ -284,7 +284,7 @@ class BalancerService:
         role = self._roles.get(lost.role)
         if role is None:
             return
-        with tracing.tracer().start_as_current_span(f"balancer recover {lost.role}", context=lost.trace):
+        with tracing.within(f"balancer recover {lost.role}", lost.trace):
             if role.reroutable and lost.job is not None and lost.attempt < self._max_reroutes:
                 try:
                     worker = await self._place(role, lost.job, now, attempt=lost.attempt + 1)

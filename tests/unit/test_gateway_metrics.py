@@ -120,7 +120,8 @@ async def test_kvcache_and_balancer_statistics_and_their_absence() -> None:
     # the old clash: a counter of leasing lookups and a gauge of leases held, now two families
     assert parsed["deepinfer_kvcache_leased_lookups"].type == "counter"
     assert value(parsed, "deepinfer_kvcache_leased_lookups_total") == 2
-    assert parsed["deepinfer_kvcache_leases_held"].type == "gauge" and value(parsed, "deepinfer_kvcache_leases_held") == 4
+    assert parsed["deepinfer_kvcache_leases_held"].type == "gauge"
+    assert value(parsed, "deepinfer_kvcache_leases_held") == 4
     assert value(parsed, "deepinfer_kvcache_store_events_total", counter="someday") == 1
 
     assert value(parsed, "deepinfer_balancer_routed_total", role="prefill") == 3
