@@ -1,8 +1,9 @@
 """The only module that talks to NATS. Services see publish / request / subscribe / serve / submit / work_queue.
 
 Messages are schema dataclasses (encoded by `shared.codec`); every outgoing message carries the W3C trace
-context of the span it was sent from, and every handler runs inside a span whose parent is that context, so one
-request is one trace across all the hops.
+context of the span it was sent from, and the handler of a message that carries one runs inside a span whose
+parent is that context, so one request is one trace across all the hops. A message sent outside any trace
+(heartbeats, KV events, health polls, scrapes, snapshots) is handled in no span at all (`tracing.handling`).
 
 Work queues are JetStream pull consumers on the `work.>` stream: a handler that returns acks the message, one
 that raises `Retry` naks it with a delay (redelivered later), one that raises `Reject` or receives a payload that
@@ -89,6 +90,11 @@ class Bus:
         return cls(nc, name)
 
     @property
+    def name(self) -> str:
+        """The connection's name: the service instance (e.g. "recipe-0")."""
+        return self._name
+
+    @property
     def connected(self) -> bool:
         return self._nc.is_connected
 
@@ -120,18 +126,15 @@ class Bus:
         *,
         queue: str = "",
     ) -> Subscription:
-        """Core subscription: the handler runs for each message, in order, inside a consumer span."""
+        """Core subscription: the handler runs for each message, in order (in a consumer span if it is traced)."""
 
         async def on_msg(msg: Msg) -> None:
-            ctx = tracing.extract(msg.headers)
             try:
                 message = codec.decode(message_type, msg.data)
             except codec.SchemaError as exc:
                 log.warning("dropping bad message on %s: %s", msg.subject, exc)
                 return
-            with tracing.tracer().start_as_current_span(
-                f"{self._name} {subject}", context=ctx, kind=SpanKind.CONSUMER
-            ):
+            with tracing.handling(f"{self._name} {subject}", msg.headers, SpanKind.CONSUMER):
                 try:
                     await handler(message, Envelope(msg.subject, tracing.current()))
                 except Exception:
@@ -150,10 +153,7 @@ class Bus:
         """Request/reply: the handler's return value is the reply. Each request runs as its own task."""
 
         async def respond(msg: Msg) -> None:
-            ctx = tracing.extract(msg.headers)
-            with tracing.tracer().start_as_current_span(
-                f"{self._name} {subject}", context=ctx, kind=SpanKind.SERVER
-            ):
+            with tracing.handling(f"{self._name} {subject}", msg.headers, SpanKind.SERVER):
                 try:
                     message = codec.decode(request_type, msg.data)
                 except codec.SchemaError as exc:
@@ -304,10 +304,7 @@ class WorkQueue:
     async def _handle(self, msg: Msg) -> None:
         keepalive = asyncio.create_task(self._keepalive(msg))
         try:
-            ctx = tracing.extract(msg.headers)
-            with tracing.tracer().start_as_current_span(
-                f"{self._bus._name} {msg.subject}", context=ctx, kind=SpanKind.CONSUMER
-            ):
+            with tracing.handling(f"{self._bus._name} {msg.subject}", msg.headers, SpanKind.CONSUMER):
                 try:
                     message = codec.decode(self._type, msg.data)
                     await self._handler(message, Envelope(msg.subject, tracing.current()))

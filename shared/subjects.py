@@ -39,6 +39,7 @@ KV_GET = "kv.get"
 KV_PUT = "kv.put"
 KV_DELETE = "kv.delete"
 KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
+BALANCER_STATS = "balancer.stats"  # BalancerStats -> BalancerStatsReply, for /metrics (the same way)
 
 
 def kv_snapshot(source: str) -> str:
@@ -52,6 +53,7 @@ def health(service: str) -> str:
 
 # Core NATS streams and broadcasts.
 HEARTBEAT = "workers.heartbeat"
+PRESENCE = "services.presence"  # Presence: recipes and balancers, for the gateway's readiness
 WORKER_DONE = "workers.done"  # RequestDone: a request left a worker (the balancer forgets the assignment)
 CANCEL = "requests.cancel"
 KV_EVENTS_ALL = "kv.events.>"  # KvEvent from every source

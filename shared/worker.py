@@ -243,6 +243,9 @@ class EngineWorker(ABC):
                 cache_id=self.engine.engine.cache_id,
                 block_tokens=self.engine.engine.block_tokens,
                 sent_at=time.time(),
+                waiting=stats.waiting,
+                spec_drafted=stats.drafted,
+                spec_accepted=stats.accepted,
             )
             try:
                 await self.bus.publish(subjects.HEARTBEAT, beat)

@@ -35,6 +35,8 @@ from services.balancer.roles import ROLES, Role, RoleContext
 from shared import subjects, tracing
 from shared.bus import Bus, Envelope, Retry, WorkQueue
 from shared.kv_events import KvEventFeed, PrefixIndex
+from shared.presence import announce_forever
+from shared.schemas.balancer import BalancerStats, BalancerStatsReply
 from shared.schemas.generate import Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
@@ -89,6 +91,7 @@ class BalancerService:
         self._subs: list[Subscription] = []
         self._feed: KvEventFeed | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._presence: asyncio.Task[None] | None = None
 
     # --- Service protocol --------------------------------------------------------------------------------------
 
@@ -98,6 +101,7 @@ class BalancerService:
             await bus.subscribe(subjects.HEARTBEAT, Heartbeat, self._on_heartbeat),
             await bus.subscribe(subjects.WORKER_DONE, RequestDone, self._on_done),
             await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
+            await bus.serve(subjects.BALANCER_STATS, BalancerStats, self._stats),  # every instance answers
         ]
         if "prefill" in self._roles:  # only prefill placement reads the caches' holdings
             self._feed = KvEventFeed(bus, self.index, clock=self._clock)
@@ -116,8 +120,11 @@ class BalancerService:
                 )
             )
         self._reaper = asyncio.create_task(self._reap_forever())
+        self._presence = asyncio.create_task(announce_forever(bus, self.name, bus.name))
 
     async def stop(self) -> None:
+        if self._presence is not None:
+            self._presence.cancel()
         for queue in self._queues:
             await queue.stop()
         self._queues = []
@@ -140,6 +147,17 @@ class BalancerService:
             **({f"kv_{k}": v for k, v in self._feed.stats.items()} if self._feed is not None else {}),
         }
         return self._bus is not None, orjson.dumps(detail).decode()
+
+    async def _stats(self, _: BalancerStats) -> BalancerStatsReply:
+        assert self._bus is not None
+        return BalancerStatsReply(
+            instance=self._bus.name,
+            counters=dict(self.stats),
+            workers=self.registry.counts(),
+            assignments=len(self.assignments),
+            kv_sources=len(self.index.sources()),
+            kv_feed=dict(self._feed.stats) if self._feed is not None else {},
+        )
 
     # --- routing -----------------------------------------------------------------------------------------------
 
@@ -205,6 +223,7 @@ class BalancerService:
             raise
         role.placed(job, worker, now)
         self.stats[f"routed_{role.name}"] += 1
+        self.stats[f"prompt_tokens_{role.name}"] += len(request.prompt_ids)  # the hit ratios' denominator
         # prompt tokens the chosen worker found in its own cache / would load from the store (hit ratios)
         if local := demand.local(worker):
             self.stats[f"local_hit_tokens_{role.name}"] += local
@@ -265,7 +284,7 @@ class BalancerService:
         role = self._roles.get(lost.role)
         if role is None:
             return
-        with tracing.tracer().start_as_current_span(f"balancer recover {lost.role}", context=lost.trace):
+        with tracing.within(f"balancer recover {lost.role}", lost.trace):
             if role.reroutable and lost.job is not None and lost.attempt < self._max_reroutes:
                 try:
                     worker = await self._place(role, lost.job, now, attempt=lost.attempt + 1)

@@ -20,6 +20,9 @@ from shared import tracing
 
 log = logging.getLogger(__name__)
 
+# Polled by orchestrators, load balancers and Prometheus: background traffic, never a trace of its own.
+UNTRACED_PATHS = frozenset({"/live", "/health", "/metrics", "/ping", "/version"})
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CLIENT_CLOSED = 499  # nginx's convention: the client left before its answer (nothing reaches it)
 
@@ -30,6 +33,8 @@ def edge_middleware(metrics: Metrics, api_key: str | None) -> Callable[..., Awai
         route = api_route(request.path) if request.method == "POST" else None
         resource = request.match_info.route.resource
         http_route = resource.canonical if resource is not None else "unmatched"
+        if request.path in UNTRACED_PATHS:
+            return await _answer(request, handler, api_key)
         with tracing.tracer().start_as_current_span(
             f"{request.method} {http_route}",
             context=tracing.extract(request.headers),  # a client's traceparent makes us part of its trace

@@ -10,8 +10,9 @@ import logging
 
 from aiohttp import web
 
-from services.gateway.app import PUMPS, build_app
+from services.gateway.app import PUMPS, READINESS, build_app
 from services.gateway.config import GatewayConfig
+from services.gateway.routes.ops import Readiness
 from services.gateway.streaming import Pumps
 from shared.bus import Bus
 from shared.models import ModelNotFound, resolve
@@ -38,6 +39,7 @@ class GatewayService:
         self._models = models
         self._runner: web.AppRunner | None = None
         self._pumps: Pumps | None = None
+        self._readiness: Readiness | None = None
         self.port = config.port  # the bound port once started (config.port may be 0)
 
     async def start(self, bus: Bus) -> None:
@@ -46,7 +48,7 @@ class GatewayService:
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
         await runner.setup()
         await web.TCPSite(runner, self._config.host, self._config.port).start()
-        self._runner, self._pumps = runner, app[PUMPS]
+        self._runner, self._pumps, self._readiness = runner, app[PUMPS], app[READINESS]
         self.port = runner.addresses[0][1]
         log.info("gateway listening on http://%s:%d (models: %s)", self._config.host, self.port, self._models)
 
@@ -62,4 +64,7 @@ class GatewayService:
             return False, "not listening"
         if self._pumps.closing:
             return False, "shutting down"
+        # ready as /health is, so `deepinfer up` announces the mesh once requests can be served
+        if self._readiness is not None and (missing := self._readiness.missing()):
+            return False, f"listening on port {self.port}; waiting for " + ", ".join(missing)
         return True, f"listening on port {self.port}, {len(self._pumps)} requests in flight"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ from shared.schemas.gateway import ApiEvent
 
 if TYPE_CHECKING:
     from nats.aio.subscription import Subscription  # only the type: the bus does the talking
+
+    from services.gateway.metrics import RequestMeter
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class EventPump:
         self._ready: asyncio.Queue[ApiEvent | PumpAborted] = asyncio.Queue()
         self._aborted: PumpAborted | None = None
         self._sub: Subscription | None = None
+        self.meter: RequestMeter | None = None  # set once the request is accepted: sees each event handed out
 
     async def open(self, bus: Bus) -> None:
         self._sub = await bus.subscribe(subjects.events(self.request_id), ApiEvent, self._on_event)
@@ -88,6 +92,8 @@ class EventPump:
         item = await asyncio.wait_for(self._ready.get(), timeout)
         if isinstance(item, PumpAborted):
             raise item
+        if self.meter is not None:
+            self.meter.event(item, time.monotonic())
         return item
 
 

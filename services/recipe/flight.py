@@ -39,6 +39,7 @@ class Flight:
         self.last_published = now  # when an ApiEvent last went to the gateway (the service keeps it fresh)
         self._processor = processor
         self._next = 0  # output position of the next token to feed
+        self._taken = 0  # engine tokens fed so far
         self._pending: dict[int, TokenEvent] = {}
         self._ready = False
         self._seq = 0
@@ -50,6 +51,20 @@ class Flight:
     def response(self) -> bytes:
         """The complete response JSON, once the request finished well (streamed or not)."""
         return self._processor.body()
+
+    # metering for the gateway's /metrics (ApiEvent's fields)
+    @property
+    def output_tokens(self) -> int:
+        """Engine tokens taken in order so far (those past a stop sequence included: they were generated)."""
+        return self._taken
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._processor.usage.cached_tokens
+
+    @property
+    def finish_reason(self) -> str:
+        return self._processor.finish_reason or ""
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -73,6 +88,7 @@ class Flight:
                 self._ready = True
                 events += p.push(Ready(nxt.prompt_tokens, nxt.cached_tokens))
             if nxt.token_ids:
+                self._taken += len(nxt.token_ids)
                 events += p.push(Tokens(nxt.token_ids))
             self._next = nxt.index + max(len(nxt.token_ids), 1)
             if nxt.finish_reason is not None:

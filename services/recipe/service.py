@@ -35,6 +35,7 @@ from services.recipe.queries import Queries
 from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
 from shared import subjects
 from shared.bus import Bus, Envelope
+from shared.presence import announce_forever
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel, GenerateRequest, SamplingParams, TokenEvent
 from shared.schemas.responses import StoredResponse
@@ -76,6 +77,7 @@ class RecipeService:
         self._cancel_sub: Subscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._presence: asyncio.Task[None] | None = None
         self._bus: Bus | None = None
         self._status = "not started"
 
@@ -99,12 +101,15 @@ class RecipeService:
         )
         self._query_subs = await Queries(self._models, self._options, self._responses).subscribe(bus)
         self._reaper = asyncio.create_task(self._reap())
+        self._presence = asyncio.create_task(announce_forever(bus, self.name, bus.name, list(self._models)))
         self._status = "ready"
         log.info("serving %s", ", ".join(f"{m.name} ({m.encoding}, context {m.context_length})" for m in models))
 
     async def stop(self) -> None:
         """Take no new requests, let those in flight finish for a grace period, then fail the rest."""
         self._status = "stopping"
+        if self._presence is not None:  # the gateway stops counting on this recipe first
+            self._presence.cancel()
         for sub in (self._prepare_sub, self._count_sub, *self._query_subs):
             if sub is not None:
                 await _unsubscribe(sub)
@@ -252,7 +257,11 @@ class RecipeService:
         # the request is alive, so a long generation is not mistaken for a silent one.
         if out.frames or out.done or now - flight.last_published > KEEPALIVE_S:
             flight.last_published = now
-            event = ApiEvent(rid, flight.next_seq(), out.frames, out.done, out.status, out.body)
+            event = ApiEvent(
+                rid, flight.next_seq(), out.frames, out.done, out.status, out.body,
+                output_tokens=flight.output_tokens, cached_tokens=flight.cached_tokens,
+                finish_reason=flight.finish_reason if out.done and out.status == 200 else "",
+            )
             await self._bus.publish(subjects.events(rid), event)
         if out.cancel:
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason=out.cancel))

@@ -42,6 +42,11 @@ class ApiEvent:
     done: bool = False
     status: int = 200
     body: bytes = b""
+    # metering for the gateway's /metrics: engine tokens taken so far (cumulative), prompt tokens found cached,
+    # and on the `done` event the finish reason ("stop", "length", "stop_sequence", "tool_calls"; "" on errors)
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
 
 
 @dataclass(frozen=True)

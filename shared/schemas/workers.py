@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,22 @@ class Heartbeat:
     # namespace(cache_id, request salt) and blocks of block_tokens; "" / 0 = unknown (no cache-aware routing)
     cache_id: str = ""
     block_tokens: int = 0
+    # for /metrics (vLLM's num_requests_waiting and spec_decode_* series): of `running`, the sequences not
+    # admitted yet; and the worker's MTP drafts proposed / accepted since it started (counters)
+    waiting: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class Presence:
+    """A service that is not a worker saying it is up, on `services.presence` every second (shared/presence.py):
+    the gateway's readiness (/health) needs a recipe for each model it serves, and a balancer."""
+
+    service: str  # "recipe" | "balancer"
+    instance: str
+    models: list[str] = field(default_factory=list)  # the models it serves ([] for the balancer: any)
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -371,15 +371,18 @@ async def test_models_health_metrics(mesh: Mesh) -> None:
     finally:
         await client.close()
     async with aiohttp.ClientSession() as http:
-        async with http.get(f"{mesh.url}/health") as resp:
+        async with http.get(f"{mesh.url}/live") as resp:
             assert resp.status == 200 and await resp.json() == {"status": "ok"}
+        async with http.get(f"{mesh.url}/health") as resp:  # readiness: only a fake recipe, which never heartbeats
+            assert resp.status == 503 and "a decode worker for test-model" in (await resp.json())["missing"]
         async with http.post(f"{mesh.url}/v1/chat/completions", data=b"nope") as resp:
             assert resp.status == 400
         async with http.get(f"{mesh.url}/metrics") as resp:
             text = await resp.text()
-    assert 'deepinfer_gateway_requests_total{api="chat",status="400"} 1' in text
-    assert "deepinfer_gateway_requests_in_flight 0" in text
-    assert mesh.gateway.health()[0]
+    assert 'deepinfer_gateway_requests_total{api="chat",status="400"} 1.0' in text
+    assert "deepinfer_gateway_requests_in_flight 0.0" in text
+    ready, detail = mesh.gateway.health()
+    assert not ready and "waiting for a balancer, a recipe for test-model" in detail
 
 
 async def test_trace_continues_from_client_to_recipe(mesh: Mesh) -> None:

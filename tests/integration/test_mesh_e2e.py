@@ -16,11 +16,13 @@ import aiohttp
 import anthropic
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
 from shared.bus import Bus, Envelope
 from shared.schemas.workers import Heartbeat
 from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
+from tests.integration.otlp import OtlpReceiver
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +31,22 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def otlp() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("mesh")
-    # Every service appends its spans to one file, exported every 200 ms.
-    trace_env = {"DEEPINFER_TRACE": f"file:{state / 'spans.jsonl'}", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    # Every service appends its spans to one file and sends them over OTLP/HTTP to the receiver, every 200 ms.
+    trace_env = {
+        "DEEPINFER_TRACE": f"file:{state / 'spans.jsonl'}",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
     mesh = start_mesh(state, env=trace_env)
     yield mesh
     mesh.stop()
@@ -229,6 +243,89 @@ def test_one_request_is_one_trace_across_every_service(oai: openai.OpenAI, mesh:
             break
         time.sleep(0.3)
     assert wanted <= services, f"trace {trace_id} reached only {services}"
+
+
+def test_otlp_receives_one_trace_from_all_six_services_and_no_background_roots(
+    oai: openai.OpenAI, mesh: Mesh, otlp: OtlpReceiver
+) -> None:
+    time.sleep(2.5)  # some heartbeats, KV ticks and health polls go by: none of them may show up as a trace
+    raw = oai.chat.completions.with_raw_response.create(model=MODEL, messages=FRANCE, temperature=0.5, top_p=0.9,
+                                                         max_tokens=8)
+    reply = raw.parse()
+    request_id = raw.headers["x-request-id"]
+    wanted = {"gateway", "recipe", "balancer", "prefill", "kvcache", "decode"}
+    deadline = time.monotonic() + 20
+    while True:
+        spans = otlp.received()
+        mine = [s for s in spans if s.attributes.get("request_id") == request_id]
+        trace_id = mine[0].trace_id if mine else None
+        services = {s.service for s in spans if s.trace_id == trace_id}
+        if wanted <= services or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert wanted <= services, f"trace {trace_id} reached only {services}"
+    # GenAI semantic conventions on the request's span
+    (edge,) = mine
+    attrs = edge.attributes
+    assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == MODEL
+    assert attrs["gen_ai.system"] == "deepinfer" and attrs["gen_ai.request.max_tokens"] == 8
+    assert attrs["gen_ai.request.temperature"] == 0.5 and attrs["gen_ai.request.top_p"] == 0.9
+    assert attrs["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
+    assert attrs["gen_ai.usage.output_tokens"] == reply.usage.completion_tokens
+    assert attrs["gen_ai.response.finish_reasons"] == [reply.choices[0].finish_reason]
+    # every trace begins at the gateway's HTTP edge: no root span of heartbeats, KV events, polls or scrapes
+    roots = [s for s in spans if not s.parent_id]
+    assert roots and all(s.service == "gateway" and s.name.startswith(("POST /v1/", "GET /v1/")) for s in roots), {
+        (s.service, s.name) for s in roots if s.service != "gateway" or not s.name.startswith("POST /v1/")}
+
+
+def _metrics(mesh: Mesh) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async def get() -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{mesh.base_url}/metrics") as r:
+                assert r.status == 200
+                return await r.text()
+
+    families = list(text_string_to_metric_families(asyncio.run(get())))
+    assert all(f.documentation for f in families), [f.name for f in families if not f.documentation]
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def _total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def test_metrics_move_with_traffic_and_health_is_ready(oai: openai.OpenAI, mesh: Mesh) -> None:
+    async def health() -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{mesh.base_url}/health") as r:
+                return r.status, await r.json()
+
+    assert asyncio.run(health()) == (200, {"status": "ok"})
+    before = _metrics(mesh)
+    stream = oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=12, stream=True)
+    streamed = [c for c in stream if c.choices and c.choices[0].delta.content]
+    oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=12)
+    after = _metrics(mesh)
+    model = {"model_name": MODEL}
+    moved = {name: _total(after, name, **model) - _total(before, name, **model) for name in (
+        "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count", "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+        "vllm:request_success_total", "vllm:prefix_cache_queries_total")}
+    assert moved["vllm:time_to_first_token_seconds_count"] == 1  # the streamed one
+    assert moved["vllm:inter_token_latency_seconds_count"] >= len(streamed) - 1 > 0
+    assert moved["vllm:e2e_request_latency_seconds_count"] == 2 and moved["vllm:request_success_total"] == 2
+    assert moved["vllm:generation_tokens_total"] >= len(streamed) + 1
+    assert moved["vllm:prompt_tokens_total"] == moved["vllm:prefix_cache_queries_total"] > 20
+    assert _total(after, "deepinfer_gateway_requests_total", api="chat", status="200") >= 2
+    # per worker, from the heartbeats; the other services' statistics over the bus
+    assert ("vllm:kv_cache_usage_perc", (("engine", "decode-0"), ("model_name", MODEL), ("role", "decode"))) in after
+    assert any(n == "vllm:num_requests_waiting" and dict(ls)["engine"] == "prefill-0" for n, ls in after)
+    assert _total(after, "deepinfer_kvcache_up") == 1 and _total(after, "deepinfer_balancer_up") == 1
+    assert _total(after, "deepinfer_balancer_routed_total", role="decode") - _total(
+        before, "deepinfer_balancer_routed_total", role="decode") == 2
+    assert _total(after, "deepinfer_kvcache_lookups_total") > 0
+    assert _total(after, "deepinfer_ready") == 1
 
 
 def _gone(marker: str, timeout: float) -> list[int]:

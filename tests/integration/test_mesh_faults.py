@@ -1,4 +1,5 @@
-"""Faults under load, through the whole mesh: the kvcache service SIGKILLed while requests stream.
+"""Faults under load, through the whole mesh: the kvcache service SIGKILLed while requests stream; the last
+decode worker SIGKILLed (readiness says so until the launcher has it back).
 
 The store is an optimisation, never a dependency: prefill and decode read a dead store as misses and recompute,
 so no request fails; the launcher restarts the service (as compose's `restart: unless-stopped` would), and its
@@ -13,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import aiohttp
 import openai
 import pytest
 
@@ -42,10 +44,14 @@ async def _long_term_entries(nats_url: str) -> int:
         await bus.drain()
 
 
-def _kvcache_pid(mesh: Mesh) -> int:
+def _service_pid(mesh: Mesh, service: str) -> int:
     (pid,) = [p for p in pids_mentioning(str(mesh.state_dir))
-              if b"services.kvcache" in open(f"/proc/{p}/cmdline", "rb").read()]
+              if f"services.{service}".encode() in open(f"/proc/{p}/cmdline", "rb").read()]
     return pid
+
+
+def _kvcache_pid(mesh: Mesh) -> int:
+    return _service_pid(mesh, "kvcache")
 
 
 def test_killing_the_kvcache_service_under_load_fails_no_request(mesh: Mesh) -> None:
@@ -77,3 +83,33 @@ def test_killing_the_kvcache_service_under_load_fails_no_request(mesh: Mesh) -> 
     reasons = asyncio.run(scenario())
     assert len(reasons) == 9 and all(r in ("stop", "length") for r in reasons)
     assert any("kvcache-0 exited" in line for line in mesh.output)
+
+
+def _health_until(mesh: Mesh, status: int, timeout: float) -> tuple[int, dict]:
+    """Poll /health (as a load balancer would) until it answers `status`; the last answer."""
+
+    async def poll() -> tuple[int, dict]:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while True:
+                async with session.get(f"{mesh.base_url}/health") as r:
+                    answer = r.status, await r.json()
+                if answer[0] == status or time.monotonic() > deadline:
+                    return answer
+                await asyncio.sleep(0.2)
+
+    return asyncio.run(poll())
+
+
+def test_readiness_follows_the_last_decode_worker(mesh: Mesh) -> None:
+    assert _health_until(mesh, 200, 30) == (200, {"status": "ok"})
+    pid = _service_pid(mesh, "decode")
+    os.kill(pid, signal.SIGKILL)
+    status, body = _health_until(mesh, 503, 30)  # within the heartbeat timeout
+    assert (status, body) == (503, {"status": "not ready", "missing": [f"a decode worker for {MODEL}"]})
+    assert _health_until(mesh, 200, 180) == (200, {"status": "ok"})  # restarted by the launcher, model loaded
+    assert _service_pid(mesh, "decode") != pid
+    client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="k", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert any("decode-0 exited" in line for line in mesh.output)

@@ -29,8 +29,12 @@ class FakeBus:
     submitted: list[tuple[str, Any, str]] = field(default_factory=list)
     published: list[tuple[str, Any]] = field(default_factory=list)
     fail_submit: bool = False
+    name: str = "balancer-test"
 
     async def subscribe(self, *args: Any, **kwargs: Any) -> Stub:
+        return Stub()
+
+    async def serve(self, *args: Any, **kwargs: Any) -> Stub:
         return Stub()
 
     async def work_queue(self, *args: Any, **kwargs: Any) -> Stub:
@@ -42,7 +46,8 @@ class FakeBus:
         self.submitted.append((subject, message, msg_id))
 
     async def publish(self, subject: str, message: Any, **kwargs: Any) -> None:
-        self.published.append((subject, message))
+        if subject != subjects.PRESENCE:  # the balancer's "I am here", not what these tests watch
+            self.published.append((subject, message))
 
 
 class Clock:

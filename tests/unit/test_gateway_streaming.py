@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from services.gateway.metrics import Metrics
 from services.gateway.streaming import EventPump, PumpAborted, Reorder
 from shared.bus import Envelope
@@ -53,8 +55,10 @@ def test_metrics_text() -> None:
     m.started()
     m.finished("chat", 200)
     m.cancelled('client "gone"')
-    text = m.render()
-    assert 'deepinfer_gateway_requests_total{api="chat",status="200"} 1' in text
-    assert "deepinfer_gateway_requests_in_flight 1" in text
-    assert 'deepinfer_gateway_cancels_total{reason="client \\"gone\\""} 1' in text
-    assert "# TYPE deepinfer_gateway_requests_in_flight gauge" in text
+    parsed = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in parsed.values() for s in f.samples}
+    assert samples[("deepinfer_gateway_requests_total", (("api", "chat"), ("status", "200")))] == 1
+    assert samples[("deepinfer_gateway_requests_in_flight", ())] == 1
+    assert samples[("deepinfer_gateway_cancels_total", (("reason", 'client "gone"'),))] == 1
+    assert parsed["deepinfer_gateway_requests_in_flight"].type == "gauge"
+    assert all(f.documentation for f in parsed.values())

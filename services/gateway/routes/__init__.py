@@ -36,6 +36,7 @@ def add_routes(
         app.router.add_post(route.path, _bind(count, route))
     app.router.add_get("/v1/models", models.list)
     app.router.add_get("/v1/models/{model_id:.+}", models.get)
+    app.router.add_get("/live", ops.live)
     app.router.add_get("/health", ops.health)
     app.router.add_get("/metrics", ops.metrics)
     app.router.add_get(RESPONSE_BY_ID, queries.get_response)

@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 import uuid
+from typing import Any
 
 import orjson
 from aiohttp import web
 from opentelemetry import trace
 
+from services.gateway import genai
 from services.gateway.auth import presented_key, tenant_of
 from services.gateway.errors import ApiError, ErrorFormat, error_response, json_response
 from services.gateway.metrics import Metrics
@@ -58,6 +61,11 @@ class RequestEnded(Exception):
 
 async def read_json_object(request: web.Request, max_bytes: int) -> bytes:
     """The raw body, once known to be a JSON object (the recipe validates the rest)."""
+    return (await read_json(request, max_bytes))[0]
+
+
+async def read_json(request: web.Request, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
+    """The raw body and the JSON object it holds."""
     too_large = ApiError(413, f"the request body is larger than {max_bytes} bytes")
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large
@@ -71,7 +79,7 @@ async def read_json_object(request: web.Request, max_bytes: int) -> bytes:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    return body
+    return body, parsed
 
 
 def client_request_id(request: web.Request) -> str:
@@ -127,13 +135,15 @@ class GenerateHandler:
     async def handle(self, request: web.Request, route: ApiRoute) -> web.StreamResponse:
         if self._pumps.closing:
             raise ApiError(503, "the gateway is shutting down")
+        arrival = time.monotonic()
         client_id = client_request_id(request)
-        body = await read_json_object(request, self._max_body_bytes)
+        body, parsed = await read_json(request, self._max_body_bytes)
         request_id = uuid.uuid4().hex
         span = trace.get_current_span()
         span.set_attribute("request_id", request_id)
         if client_id:
             span.set_attribute("client_request_id", client_id)
+        span.set_attributes(genai.request_attributes(route.api, parsed))
         tenant = tenant_of(presented_key(request.headers))
         prepare = PrepareRequest(request_id, route.api, body, tenant, client_request_id=client_id)
         headers = {REQUEST_ID_HEADER: client_id or request_id}
@@ -144,6 +154,9 @@ class GenerateHandler:
                 reply = await self._prepare(prepare)
                 if not reply.ok:
                     return json_response(reply.status, reply.error_body, headers)
+                model = str(parsed.get("model", ""))  # the recipe accepted it: one of the served names
+                pump.meter = self._metrics.meter(model, stream=reply.stream, prompt_tokens=reply.prompt_tokens,
+                                                 arrival=arrival)
                 if reply.stream:
                     return await self._relay_stream(request, pump, sse, route.errors)
                 return await self._relay_unary(request, pump, headers)
@@ -157,6 +170,11 @@ class GenerateHandler:
             except BaseException as exc:
                 await self._cancel(request_id, self._reason(exc))
                 raise
+            finally:
+                if (meter := pump.meter) is not None:
+                    meter.end(time.monotonic())
+                    span.set_attributes(genai.response_attributes(
+                        meter.model, meter.prompt_tokens, meter.output_tokens, meter.finish_reason))
 
     async def _prepare(self, prepare: PrepareRequest) -> PrepareReply:
         try:

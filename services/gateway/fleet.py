@@ -1,0 +1,54 @@
+"""The mesh as the gateway hears it: the workers' heartbeats and the other services' presence.
+
+Pure bookkeeping with `now` passed in (monotonic seconds, our clock: freshness must not depend on clock skew),
+so readiness and the per-worker gauges are tested without a broker. A worker or service silent for longer than
+`timeout_s` (the balancer's default worker timeout) is gone: it counts for neither.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from shared.presence import PRESENCE_TIMEOUT_S
+from shared.schemas.workers import Heartbeat, Presence
+
+ROLES = ("prefill", "decode")
+
+
+class Fleet:
+    def __init__(self, timeout_s: float = PRESENCE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._workers: dict[str, tuple[float, Heartbeat]] = {}  # worker id -> (heard at, latest beat)
+        self._services: dict[tuple[str, str], tuple[float, Presence]] = {}  # (service, instance) -> ...
+
+    def heard_worker(self, beat: Heartbeat, now: float) -> None:
+        self._workers[beat.worker_id] = (now, beat)
+
+    def heard_service(self, presence: Presence, now: float) -> None:
+        self._services[(presence.service, presence.instance)] = (now, presence)
+
+    def workers(self, now: float) -> list[Heartbeat]:
+        """The latest heartbeat of every live worker, by id."""
+        self._forget(now)
+        return [beat for _, (_, beat) in sorted(self._workers.items())]
+
+    def services(self, now: float) -> list[Presence]:
+        self._forget(now)
+        return [presence for _, (_, presence) in sorted(self._services.items())]
+
+    def missing(self, models: Sequence[str], now: float) -> list[str]:
+        """What the mesh lacks to serve every model in `models`; [] = ready."""
+        workers = Counter((w.role, w.model) for w in self.workers(now))
+        services = self.services(now)
+        lacking = [] if any(p.service == "balancer" for p in services) else ["a balancer"]
+        for model in models:
+            if not any(p.service == "recipe" and model in p.models for p in services):
+                lacking.append(f"a recipe for {model}")
+            lacking += [f"a {role} worker for {model}" for role in ROLES if not workers[(role, model)]]
+        return lacking
+
+    def _forget(self, now: float) -> None:
+        cutoff = now - self.timeout_s
+        self._workers = {k: seen for k, seen in self._workers.items() if seen[0] >= cutoff}
+        self._services = {k: seen for k, seen in self._services.items() if seen[0] >= cutoff}

@@ -1,0 +1,22 @@
+"""gateway -> balancer: the routing statistics, for /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BalancerStats:
+    """On `balancer.stats`: every balancer instance answers for itself (the gateway shows the first reply)."""
+
+
+@dataclass(frozen=True)
+class BalancerStatsReply:
+    instance: str
+    # since start: routed_<role>, prompt_tokens_<role>, local_hit_tokens_<role>, store_hit_tokens_<role>,
+    # affinity_<role>, rerouted, workers_lost, failed_no_worker, failed_worker_lost
+    counters: dict[str, int] = field(default_factory=dict)
+    workers: dict[str, int] = field(default_factory=dict)  # role -> workers in the pool now
+    assignments: int = 0  # requests placed and not done yet
+    kv_sources: int = 0  # KV event sources in the prefix index
+    kv_feed: dict[str, int] = field(default_factory=dict)  # the KV event feed's counters: events, gaps, resyncs...
