@@ -130,7 +130,9 @@ async def test_auxiliary_routes_without_a_recipe() -> None:
         resp = await client.post("/v1/chat/completions", data=b"{}", headers={"X-Request-Id": "bad id"})
         assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_request_id"
         assert (await (await client.get("/version")).json())["version"]
-        assert (await client.get("/ping")).status == 200 and (await client.post("/ping")).status == 200
+        # /ping is vLLM's alias of /health: readiness, so 503 with no workers registered
+        health = (await client.get("/health")).status
+        assert health == 503 and (await client.get("/ping")).status == health == (await client.post("/ping")).status
         (card,) = (await (await client.get("/v1/models")).json())["data"]
         assert card["id"] == "m" and "max_model_len" not in card  # no recipe to say it: listed without one
         for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/responses/resp_1"),

@@ -262,14 +262,35 @@ class _Sub:
         return None
 
 
+class _Bucket:
+    """The stored-responses bucket, in memory."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+
+    async def get(self, key: str) -> Any:
+        return self._items.get(key)
+
+    async def put(self, key: str, value: Any) -> None:
+        self._items[key] = value
+
+    async def delete(self, key: str) -> None:
+        self._items.pop(key, None)
+
+
 class FakeBus:
     """Just enough of `Bus` for the recipe to start and submit: submitted work is recorded."""
+
+    name = "recipe-test"
 
     def __init__(self) -> None:
         self.submitted: list[GenerateRequest] = []
 
     async def ensure_work_stream(self) -> None:
         return None
+
+    async def key_value(self, *args: Any, **kwargs: Any) -> _Bucket:
+        return _Bucket()
 
     async def subscribe(self, *args: Any, **kwargs: Any) -> _Sub:
         return _Sub()
