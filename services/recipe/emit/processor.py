@@ -104,7 +104,8 @@ class OutputProcessor:
         self._parser = OutputParser(prepared.parsing, plain=plain)  # text mode until the first Tokens chunk
         self._fed = False
         self._pieces = TokenPieces(tokens, skip_special=plain) if tokens is not None else None
-        self._eos = tokens.eos_ids if tokens is not None else frozenset()
+        # With ignore_eos the engine goes on past an end-of-sentence id, and so does the answer.
+        self._eos = tokens.eos_ids if tokens is not None and not prepared.inference.ignore_eos else frozenset()
         self._count = count_tokens
         created = int(time.time()) if created is None else created
         self._emitter = EMITTERS[prepared.api](prepared, response_id, created, self._thinking)
