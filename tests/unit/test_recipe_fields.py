@@ -39,7 +39,8 @@ def refused(api: str, body: dict[str, Any]) -> FieldRefusal:
 
 @pytest.mark.parametrize("fields, limit", [
     ({"max_completion_tokens": 5}, 5), ({"max_tokens": 12}, 12), ({"max_completion_tokens": 5, "max_tokens": 12}, 5),
-    ({"max_completion_tokens": 12, "max_tokens": 5}, 5), ({"max_completion_tokens": None, "max_tokens": 7}, 7), ({}, None),
+    ({"max_completion_tokens": 12, "max_tokens": 5}, 5), ({"max_completion_tokens": None, "max_tokens": 7}, 7),
+    ({}, None),
 ])
 def test_max_completion_tokens_is_the_smaller_limit(fields: dict[str, Any], limit: int | None) -> None:
     assert chat(**fields).inference.max_tokens == limit

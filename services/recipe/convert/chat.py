@@ -2,7 +2,9 @@
 
 Beyond OpenAI's fields: `thinking` ({"type": "enabled" | "disabled"}), `reasoning_content` on assistant
 messages, the `latest_reminder` role, and DeepSeek's prefix continuation: a final assistant message with
-`"prefix": true` is continued by the model instead of answered.
+`"prefix": true` is continued by the model instead of answered. Beyond the reference: the `developer` role
+(system instructions, `common.developer_role`); image and file parts are refused (we serve text-only models);
+vLLM's fields and the ones we refuse are read afterwards by `convert/fields.py`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Blocks become messages: each user text block is its own user message; tool_resul
 user message after the assistant's tool_use blocks, one per call) become tool messages; an assistant message
 becomes one message (thinking blocks -> reasoning, text -> content, tool_use -> calls). A `system`-role message
 becomes a user message wrapped in <system-reminder> tags. A final assistant message is answered, not continued
-(the reference has no Anthropic prefill). `max_tokens` above the bound is lowered to it, not refused.
+(the reference has no Anthropic prefill). `max_tokens` above the bound is lowered to it, not refused. Beyond
+the reference: image and document blocks are refused (we serve text-only models), and `top_k` is honoured
+(`convert/fields.py`).
 """
 
 from __future__ import annotations

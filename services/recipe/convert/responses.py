@@ -1,6 +1,7 @@
 """OpenAI Responses -> PreparedRequest, with the reference's validation (deepseek-recipe 0.2.0).
 
-Input items become messages: `instructions` a leading system message, developer messages user messages, and
+Input items become messages: `instructions` a leading system message, developer messages system ones (user
+ones on V4), and
 the assistant side of a turn (reasoning items, assistant messages, function calls) one assistant message whose
 calls must be answered by function_call_output items right after it. Tools may be functions, namespaces of
 functions (flattened to `namespace__name`; the map back is in `extra["namespace_tool_map"]`), the built-in

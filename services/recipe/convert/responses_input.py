@@ -1,9 +1,9 @@
 r"""The `input` of an OpenAI Responses request: items -> messages, with the reference's rules.
 
 `instructions` is a leading system message; a developer message is a system one, but a user one in V4 (which has
-no system turns mid-conversation): `common.developer_role`. The assistant side of a turn (reasoning items, assistant messages,
-function and custom tool calls) becomes one assistant message; its calls keep gathering while some wait for
-their outputs, which must follow before anything else:
+no system turns mid-conversation): `common.developer_role`. The assistant side of a turn (reasoning items,
+assistant messages, function and custom tool calls) becomes one assistant message; its calls keep gathering
+while some wait for their outputs, which must follow before anything else:
 
     [reasoning] [assistant text] [call a] [call b] [output b] [call c] [output a] [output c] [user ...]
      \____________________ one assistant message, calls a b c ________________/  results a b c

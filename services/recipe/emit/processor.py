@@ -6,7 +6,7 @@ return the stream events to send; `body()` gives the complete response once done
     chunk --TokenPieces (ids only)--> pieces --OutputParser--> neutral events --API emitter--> stream events
 
 The turn ends on a Finish chunk, an end-of-sentence token (it is never text; it counts as a completion token
-and ends the turn like Finish("stop")), a stop sequence (then `stopped` is set: the engine should be told to
+and ends the turn like Finish("stop"); with ignore_eos it is an ordinary token, as it is for the engine), a stop sequence (then `stopped` is set: the engine should be told to
 cancel), or `finish()` without a Finish chunk (a plain "stop": deepseek-recipe reports "tool_calls" only on
 the backend's Finish("stop")). Chunks after the end are ignored.
 
