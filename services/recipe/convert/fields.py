@@ -26,13 +26,28 @@ from services.recipe.convert.options import ConvertOptions, FieldRefusal
 from services.recipe.convert.serde import is_int, is_number, unexpected
 from services.recipe.prepared import Api, PreparedRequest
 
-TOP_K_LIMIT = 1 << 31  # any top_k at or above the vocabulary is no filter; this only keeps it an int32
-SAMPLING_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
+INT32_LIMIT = 1 << 31  # top_k at or above the vocabulary is no filter: the bound only keeps ints int32
 HONOURED: dict[Api, tuple[str, ...]] = {
-    "chat": ("max_completion_tokens", *SAMPLING_EXTENSIONS),
-    "completions": SAMPLING_EXTENSIONS,
+    "chat": ("max_completion_tokens", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"),
+    "completions": ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"),
     "messages": ("top_k",),
     "responses": (),
+}
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise FieldRefusal(f"Invalid {name} value: expected a boolean, got {unexpected(value)}", name)
+    return value
+
+
+# A sampling extension's name (also its InferenceSpec field) -> its reader: the value checked, as the engine takes it.
+EXTENSIONS: dict[str, Callable[[str, Any], Any]] = {
+    "top_k": lambda n, v: max(_int(n, v, -1, INT32_LIMIT - 1, "-1 or 0 (no limit) or a positive integer"), 0),
+    "min_p": lambda n, v: _number(n, v, lambda x: 0.0 <= x <= 1.0, "[0, 1]"),
+    "repetition_penalty": lambda n, v: _number(n, v, lambda x: x > 0.0, "(0, inf), 1 = off"),
+    "min_tokens": lambda n, v: _int(n, v, 0, INT32_LIMIT - 1, "[0, max_tokens]"),
+    "ignore_eos": _bool,
 }
 
 
@@ -42,27 +57,16 @@ def apply(api: Api, body: Any, prepared: PreparedRequest, options: ConvertOption
         return prepared
     inference = prepared.inference
     changes: dict[str, Any] = {}
-    sent = [name for name in HONOURED[api] if body.get(name) is not None]
-    for name in sent:
-        value = body[name]
-        if name == "max_completion_tokens":
+    for name in HONOURED[api]:
+        value = body.get(name)
+        if value is None:
+            continue
+        if name == "max_completion_tokens":  # OpenAI's newer name for max_tokens: the smaller one wins
             bound = options.max_tokens_bound(prepared.conversation.thinking)
             limit = _int(name, value, 1, bound, f"[1, {bound}]")
-            requested = inference.max_tokens
-            changes["max_tokens"] = limit if requested is None else min(requested, limit)
-        elif name == "top_k":
-            top_k = _int(name, value, -1, TOP_K_LIMIT - 1, "-1 or 0 (no limit) or a positive integer")
-            changes["top_k"] = max(top_k, 0)
-        elif name == "min_p":
-            changes["min_p"] = _number(name, value, lambda x: 0.0 <= x <= 1.0, "[0, 1]")
-        elif name == "repetition_penalty":
-            changes["repetition_penalty"] = _number(name, value, lambda x: x > 0.0, "(0, inf), 1 = off")
-        elif name == "min_tokens":
-            changes["min_tokens"] = _int(name, value, 0, TOP_K_LIMIT - 1, "[0, max_tokens]")
-        elif name == "ignore_eos":
-            if not isinstance(value, bool):
-                raise FieldRefusal(f"Invalid ignore_eos value: expected a boolean, got {unexpected(value)}", name)
-            changes["ignore_eos"] = value
+            changes["max_tokens"] = limit if inference.max_tokens is None else min(inference.max_tokens, limit)
+        else:
+            changes[name] = EXTENSIONS[name](name, value)
     max_tokens = changes.get("max_tokens", inference.max_tokens)
     if max_tokens is not None and changes.get("min_tokens", 0) > max_tokens:
         raise FieldRefusal(f"min_tokens ({changes['min_tokens']}) must be at most max_tokens ({max_tokens})",
