@@ -47,6 +47,11 @@ class InferenceSpec:
     logprobs: bool = False
     top_logprobs: int | None = None
     output_constraint: OutputConstraint | None = None
+    # vLLM's sampling extensions (convert/fields.py), neutral by default; the reference has none of them.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,19 +18,20 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import orjson
 from nats.aio.subscription import Subscription
 
 from services.recipe.apis.errors import ApiError, error_for, openai_error
 from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
+from services.recipe.convert.fields import check_min_tokens
 from services.recipe.convert.limits import resolve_max_tokens
 from services.recipe.emit.processor import OutputProcessor
 from services.recipe.flight import Flight, Output
 from services.recipe.formats import render
 from services.recipe.model import ServedModel
-from services.recipe.prepared import RESPONSE_ID_PREFIXES, PreparedRequest
+from services.recipe.prepared import RESPONSE_ID_PREFIXES, InferenceSpec, PreparedRequest
 from services.recipe.queries import Queries
 from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
 from shared import subjects
@@ -173,7 +174,9 @@ class RecipeService:
         _, prompt_ids = render(prepared, model)
         if prompt_ids is None:
             raise ConversionError(f"model {model.name} has no tokenizer for its prompt format", 400)
-        return prepared, model, prompt_ids, resolve_max_tokens(prepared, len(prompt_ids), model.context_length)
+        max_tokens = resolve_max_tokens(prepared, len(prompt_ids), model.context_length)
+        check_min_tokens(prepared, max_tokens)
+        return prepared, model, prompt_ids, max_tokens
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensReply:
         """/v1/messages/count_tokens: the prompt size of a Messages request (which needs no max_tokens here)."""
@@ -196,14 +199,7 @@ class RecipeService:
         rid = req.request_id
         inference = prepared.inference
         seed = inference.seed if inference.seed is not None else secrets.randbits(SEED_BITS)
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if inference.temperature is None else inference.temperature,
-            top_p=1.0 if inference.top_p is None else inference.top_p,
-            top_k=inference.top_k or 0,
-            seed=seed,
-            stop_token_ids=sorted(model.tokenizer.eos_ids),
-        )
+        sampling = sampling_params(inference, max_tokens, seed, model.tokenizer.eos_ids)
         processor = OutputProcessor(
             prepared, response_id=_response_id(req, prepared), tokens=model.tokens,
             count_tokens=model.count_tokens,
@@ -223,9 +219,11 @@ class RecipeService:
         if rid not in self._flights:  # cancelled while being submitted: the workers must drop it too
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason="cancelled"))
         log.info(
-            "%s %s model=%s prompt=%d max_tokens=%d seed=%d temperature=%g top_p=%g top_k=%d stream=%s",
+            "%s %s model=%s prompt=%d max_tokens=%d seed=%d temperature=%g top_p=%g top_k=%d min_p=%g "
+            "repetition_penalty=%g min_tokens=%d ignore_eos=%s stream=%s",
             rid, prepared.api, model.name, len(prompt_ids), max_tokens, seed, sampling.temperature,
-            sampling.top_p, sampling.top_k, prepared.stream,
+            sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens,
+            sampling.ignore_eos, prepared.stream,
         )
         return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids))
 
@@ -296,6 +294,23 @@ def _response_id(req: PrepareRequest, prepared: PreparedRequest) -> str:
     id is a storage key (and OpenAI's are server-made), so it stays ours, unique."""
     own = req.client_request_id if req.client_request_id and prepared.api != "responses" else req.request_id
     return f"{RESPONSE_ID_PREFIXES[prepared.api]}{own}"
+
+
+def sampling_params(inference: InferenceSpec, max_tokens: int, seed: int, eos_ids: Iterable[int]) -> SamplingParams:
+    """What the engine samples with. The model's end-of-sentence ids stop it, unless the client set ignore_eos
+    (then they are ordinary tokens and only max_tokens ends the answer)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if inference.temperature is None else inference.temperature,
+        top_p=1.0 if inference.top_p is None else inference.top_p,
+        top_k=inference.top_k or 0,
+        min_p=inference.min_p,
+        repetition_penalty=inference.repetition_penalty,
+        min_tokens=inference.min_tokens,
+        seed=seed,
+        stop_token_ids=[] if inference.ignore_eos else sorted(eos_ids),
+        ignore_eos=inference.ignore_eos,
+    )
 
 
 async def _unsubscribe(sub: Subscription) -> None:

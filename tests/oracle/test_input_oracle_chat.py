@@ -49,7 +49,9 @@ def _assistant(g: Gen, messages: list[dict[str, Any]], images: bool) -> None:
 def chat_requests(draw: Any) -> dict[str, Any]:
     g = Gen(draw)
     model = g.choice(MODELS)
-    images = model != "DeepSeek-V4.1-Flash"  # we refuse V4.1 images (we serve no vision model): a deviation
+    # V4.1 resolves media with its own checks first; we refuse media for every model (text-only models): a
+    # deviation, see documented_refusal
+    images = model != "DeepSeek-V4.1-Flash"
     messages: list[dict[str, Any]] = []
     for _ in range(g.between(1, 7)):
         role = g.choice(["system", "user", "user", "user", "assistant", "assistant", "latest_reminder"])
@@ -81,6 +83,9 @@ def chat_requests(draw: Any) -> dict[str, Any]:
         ("stop", ["x", ["a", "b"], [], [""], "", ["a"] * 17]), ("stream", [True, False]), ("n", [1, 2]),
         ("logprobs", [True, False]), ("top_logprobs", [0, 5, 21]), ("frequency_penalty", [0, 1.5, -3]),
         ("presence_penalty", [0, 2.5]), ("parallel_tool_calls", [True]),
+        # vLLM's fields, which the reference ignores: honoured, or refused by name (documented_refusal)
+        ("top_k", [5, -1, 0, "s"]), ("min_p", [0, 0.1, 2]), ("repetition_penalty", [1, 1.1, 0]),
+        ("min_tokens", [0, 3]), ("ignore_eos", [True, False, 1]), ("logit_bias", [{}, {"1": 2}]),
     ):
         if g.chance(0.08):
             body[key] = g.choice(values)

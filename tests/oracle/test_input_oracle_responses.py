@@ -88,7 +88,9 @@ def _tools(g: Gen) -> list[dict[str, Any]]:
 def responses_requests(draw: Any) -> dict[str, Any]:
     g = Gen(draw)
     model = g.choice(MODELS)
-    images = model != "DeepSeek-V4.1-Flash"  # we refuse V4.1 images (we serve no vision model): a deviation
+    # V4.1 resolves media with its own checks first; we refuse media for every model (text-only models): a
+    # deviation, see documented_refusal
+    images = model != "DeepSeek-V4.1-Flash"
     body: dict[str, Any] = {"model": model}
     if g.chance(0.85):
         items = _items(g, images)

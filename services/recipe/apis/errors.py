@@ -21,6 +21,11 @@ def anthropic_error(status: int, message: str) -> ApiError:
     return ApiError(status, anthropic_error_body(status, message), message)
 
 
-def error_for(api: str, status: int, message: str, *, code: str | None = None) -> ApiError:
-    """An error in the API's own format: Anthropic's for Messages, OpenAI's for the rest."""
-    return anthropic_error(status, message) if api == "messages" else openai_error(status, message, code=code)
+def error_for(
+    api: str, status: int, message: str, *, code: str | None = None, param: str | None = None
+) -> ApiError:
+    """An error in the API's own format: Anthropic's for Messages, OpenAI's for the rest (with the field at
+    fault as `param`, where known)."""
+    if api == "messages":
+        return anthropic_error(status, message)
+    return openai_error(status, message, param=param, code=code)

@@ -16,12 +16,14 @@ from typing import Any, cast
 import orjson
 
 from services.recipe.apis.errors import ApiError, error_for
+from services.recipe.convert import fields
 from services.recipe.convert.options import (
     DEEPSEEK_MODELS,
     DEFAULT_OPTIONS,
     ConversionError,
     ConvertOptions,
     Encoding,
+    FieldRefusal,
 )
 from services.recipe.convert.serde import BodyError
 from services.recipe.prepared import PreparedRequest
@@ -52,18 +54,20 @@ def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT
     except BodyError as exc:
         raise ConversionError(f"invalid request body: {exc.message}") from None
     salt = body.get("cache_salt") if isinstance(body, dict) else None
-    if salt is None:
-        return prepared
-    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
-        raise ConversionError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
-    return replace(prepared, cache_salt=salt)
+    if salt is not None:
+        if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
+            raise ConversionError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
+        prepared = replace(prepared, cache_salt=salt)
+    return fields.apply(prepared.api, body, prepared, options)  # after every check the reference makes
 
 
 def api_error(api: str, error: ConversionError) -> ApiError:
     """The refusal in the API's own error format (OpenAI's for chat, completions and responses)."""
-    return error_for(api, error.status, error.message, code="invalid_request_error")
+    param = error.field if isinstance(error, FieldRefusal) else None
+    return error_for(api, error.status, error.message, code="invalid_request_error", param=param)
 
 
 __all__ = [
-    "APIS", "DEEPSEEK_MODELS", "ConversionError", "ConvertOptions", "Encoding", "api_error", "convert",
+    "APIS", "DEEPSEEK_MODELS", "ConversionError", "ConvertOptions", "Encoding", "FieldRefusal", "api_error",
+    "convert",
 ]

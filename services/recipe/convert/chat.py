@@ -2,7 +2,9 @@
 
 Beyond OpenAI's fields: `thinking` ({"type": "enabled" | "disabled"}), `reasoning_content` on assistant
 messages, the `latest_reminder` role, and DeepSeek's prefix continuation: a final assistant message with
-`"prefix": true` is continued by the model instead of answered.
+`"prefix": true` is continued by the model instead of answered. Beyond the reference: the `developer` role
+(system instructions, `common.developer_role`); image and file parts are refused (we serve text-only models);
+vLLM's fields and the ones we refuse are read afterwards by `convert/fields.py`.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ _MESSAGE = Tagged("ChatCompletionRequestMessage", "role", {
     ]),
     "tool": Struct("Tool", [Field("content", _CONTENT, required=True), Field("tool_call_id", Str, required=True)]),
     "latest_reminder": Struct("LatestReminder", [Field("content", Str, required=True)]),
-})
+    # OpenAI's newer name for system instructions; the reference refuses it (a deviation: see _messages).
+    "developer": Struct("Developer", [Field("content", _CONTENT, required=True), Field("name", Opt(Str))]),
+}, unlisted=("developer",))
 _TOOL = Struct("ChatCompletionTool", [
     Field("type", Enum(["function"]), required=True),
     Field("function", Struct("ChatCompletionFunctionDefinition", [
@@ -161,7 +165,7 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     if req["response_format"] is not None and any(t.strict for t in tools):
         raise ConversionError("response_format should not be used with tools")
     sampling = _sampling(req, stop, thinking, options)
-    common.refuse_images(encoding, any(_has_image(m) for _, m in req["messages"]))
+    common.refuse_media(_first_media(req["messages"]), req["model"])
     messages = [m for m in messages if m.role != "system" or m.content]  # empty system messages say nothing
     conv = common.conversation(messages, tools, choice, thinking, req["reasoning_effort"], fmt)
     return common.prepared(
@@ -170,9 +174,15 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     )
 
 
-def _has_image(message: dict[str, Any]) -> bool:
-    content = message.get("content")
-    return isinstance(content, list) and any(kind != "text" for kind, _ in content)
+def _first_media(messages: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """Where the first image or file part is ("messages[1].content[0] (image_url)"), None if there is none."""
+    for i, (_, m) in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, (kind, _) in enumerate(content):
+                if kind != "text":
+                    return f"messages[{i}].content[{j}] ({kind})"
+    return None
 
 
 def _stops(value: list[str] | str | None) -> list[str]:
@@ -242,6 +252,8 @@ def _messages(
             msg = _assistant(i, m, thinking, encoding, options)
         elif role == "tool":
             msg = cv.tool(_text(m["content"], encoding), m["tool_call_id"])
+        elif role == "developer":
+            msg = Message(common.developer_role(encoding), _text(m["content"], encoding))
         else:
             msg = Message(role, _text(m["content"], encoding))  # type: ignore[arg-type]
         pending = _answer(pending, msg, i, answered)

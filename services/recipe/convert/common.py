@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.recipe.conversation import Conversation, Message, ReasoningEffort, ResponseFormat, ToolChoice
+from services.recipe.conversation import Conversation, Message, ReasoningEffort, ResponseFormat, Role, ToolChoice
 from services.recipe.convert import schema as schemas
 from services.recipe.convert import strict
-from services.recipe.convert.options import ConversionError, ConvertOptions, Encoding
+from services.recipe.convert.options import ConversionError, ConvertOptions, Encoding, FieldRefusal
 from services.recipe.formats.jsontext import dumps
 from services.recipe.prepared import (
     Api,
@@ -173,11 +173,18 @@ def response_schema(value: Any, is_strict: bool | None) -> tuple[Any, str]:
     return value, dumps(constraint, "compact")
 
 
-def refuse_images(encoding: Encoding, has_images: bool) -> None:
-    """Deviation: the reference resolves V4.1 images; we serve no vision model, so we refuse them, after every
-    other check (so any other problem is reported as the reference reports it). V4 shows "[Unsupported Image]"."""
-    if encoding == "v41" and has_images:
-        raise ConversionError("Image input is not supported by this deployment")
+def developer_role(encoding: str) -> Role:
+    """OpenAI reads a developer message as a system one; V4 has no system turns mid-conversation, so there it is
+    a user message (as the reference does for Responses input)."""
+    return "user" if encoding == "v4" else "system"
+
+
+def refuse_media(where: str | None, model: str) -> None:
+    """Deviation: the reference shows V4 an image or file as "[Unsupported Image]" (and resolves V4.1 images);
+    we serve text-only models, so `where` (the first image or file part, None = none) is refused, after every
+    other check (so any other problem is reported as the reference reports it)."""
+    if where is not None:
+        raise FieldRefusal(f"{where}: image and file input is not supported: model {model} reads text only", None)
 
 
 def mentions_json(messages: list[Message]) -> bool:

@@ -4,7 +4,9 @@ Blocks become messages: each user text block is its own user message; tool_resul
 user message after the assistant's tool_use blocks, one per call) become tool messages; an assistant message
 becomes one message (thinking blocks -> reasoning, text -> content, tool_use -> calls). A `system`-role message
 becomes a user message wrapped in <system-reminder> tags. A final assistant message is answered, not continued
-(the reference has no Anthropic prefill). `max_tokens` above the bound is lowered to it, not refused.
+(the reference has no Anthropic prefill). `max_tokens` above the bound is lowered to it, not refused. Beyond
+the reference: image and document blocks are refused (we serve text-only models), and `top_k` is honoured
+(`convert/fields.py`).
 """
 
 from __future__ import annotations
@@ -180,15 +182,31 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
         max_tokens = min(max_tokens, bound)  # too large is lowered to the bound; 0 is refused
         common.check_max_tokens(max_tokens, bound)
     sampling = common.Sampling(max_tokens=max_tokens, temperature=req["temperature"], top_p=req["top_p"], stop=stop)
-    common.refuse_images(encoding, any(_has_images(content) for _, content in req["messages"]))
+    common.refuse_media(_first_media(req["messages"]), req["model"])
     conv = common.conversation(messages, tools, choice, thinking, effort, cv.TEXT)
     return common.prepared("messages", req["model"], encoding, conv, sampling, stream=bool(req["stream"]))
 
 
-def _has_images(content: Any) -> bool:
+def _first_media(messages: list[tuple[str, Any]]) -> str | None:
+    """Where the first image or document block is ("messages.1.content.0 (image)"), None if there is none."""
+    for i, (_, content) in enumerate(messages):
+        where = _media_in(content, f"messages.{i}.content")
+        if where is not None:
+            return where
+    return None
+
+
+def _media_in(content: Any, path: str) -> str | None:
     if not isinstance(content, list):
-        return False
-    return any(kind == "image" or (kind == "tool_result" and _has_images(b["content"])) for kind, b in content)
+        return None
+    for j, (kind, b) in enumerate(content):
+        if kind in ("image", "document"):
+            return f"{path}.{j} ({kind})"
+        if kind == "tool_result":
+            inner = _media_in(b["content"], f"{path}.{j}.content")
+            if inner is not None:
+                return inner
+    return None
 
 
 def _stops(value: list[str] | None) -> list[str]:

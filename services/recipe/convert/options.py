@@ -27,6 +27,18 @@ class ConversionError(Exception):
         self.status = status
 
 
+class FieldRefusal(ConversionError):
+    """A 400 the reference does not give, about one request feature: a field we read and it does not (a vLLM
+    extension with a bad value) or one neither side honours that we refuse instead of dropping (logprobs,
+    penalties, image input...). Raised only after every check the reference makes, so a request it refuses
+    is still refused in its words. `field` is the top-level body field at fault (the client's `param`), or
+    None when the fault is inside the content (an image part)."""
+
+    def __init__(self, message: str, field: str | None) -> None:
+        super().__init__(message, 400)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     models: Mapping[str, Encoding] = field(default_factory=lambda: DEEPSEEK_MODELS)

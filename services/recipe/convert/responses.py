@@ -1,6 +1,7 @@
 """OpenAI Responses -> PreparedRequest, with the reference's validation (deepseek-recipe 0.2.0).
 
-Input items become messages: `instructions` a leading system message, developer messages user messages, and
+Input items become messages: `instructions` a leading system message, developer messages system ones (user
+ones on V4), and
 the assistant side of a turn (reasoning items, assistant messages, function calls) one assistant message whose
 calls must be answered by function_call_output items right after it. Tools may be functions, namespaces of
 functions (flattened to `namespace__name`; the map back is in `extra["namespace_tool_map"]`), the built-in
@@ -141,7 +142,7 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     if fmt_value is not None and fmt_value[0] != "text" and any(t.strict for t in tools):
         raise ConversionError("response_format should not be used with tools")
     sampling = _sampling(req, thinking, options)
-    common.refuse_images(encoding, _has_images(req["input"]))
+    common.refuse_media(_first_media(req["input"]), req["model"])
     conv = common.conversation(messages, tools, choice, thinking, effort, fmt)
     echo = {
         "instructions": req["instructions"], "max_output_tokens": req["max_output_tokens"],
@@ -178,11 +179,21 @@ def _declarations(tools: list[tuple[str, dict[str, Any]]]) -> None:
                 common.check_tool_name(it["name"], f"tools[{i}].tools[{j}].name")
 
 
-def _has_images(items: Any) -> bool:
+def _first_media(items: Any) -> str | None:
+    """Where the first image or file part is ("input[1].content[0] (input_image)"), None if there is none."""
     if not isinstance(items, list):
-        return False
-    contents = [f.get("content") if kind == "message" else f.get("output") for kind, f in filter(None, items)]
-    return any(isinstance(c, list) and any(k == "input_image" for k, _ in c) for c in contents)
+        return None
+    for i, item in enumerate(items):
+        if item is None:
+            continue
+        kind, f = item
+        key = "content" if kind == "message" else "output"
+        parts = f.get(key)
+        if isinstance(parts, list):
+            for j, (part, _) in enumerate(parts):
+                if part in ("input_image", "input_file"):
+                    return f"input[{i}].{key}[{j}] ({part})"
+    return None
 
 
 def _raw(body: Any, key: str) -> Any:

@@ -1,9 +1,9 @@
 r"""The `input` of an OpenAI Responses request: items -> messages, with the reference's rules.
 
-`instructions` is a leading system message; a developer message is a user one in V4 (which has no system turns
-mid-conversation) and a system one in V4.1. The assistant side of a turn (reasoning items, assistant messages,
-function and custom tool calls) becomes one assistant message; its calls keep gathering while some wait for
-their outputs, which must follow before anything else:
+`instructions` is a leading system message; a developer message is a system one, but a user one in V4 (which has
+no system turns mid-conversation): `common.developer_role`. The assistant side of a turn (reasoning items,
+assistant messages, function and custom tool calls) becomes one assistant message; its calls keep gathering
+while some wait for their outputs, which must follow before anything else:
 
     [reasoning] [assistant text] [call a] [call b] [output b] [call c] [output a] [output c] [user ...]
      \____________________ one assistant message, calls a b c ________________/  results a b c
@@ -17,6 +17,7 @@ from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ToolCall
+from services.recipe.convert.common import developer_role
 from services.recipe.convert.options import ConversionError, ConvertOptions
 from services.recipe.convert.serde import (
     Any_,
@@ -226,9 +227,7 @@ def input_messages(req: dict[str, Any], thinking: bool, options: ConvertOptions,
                 turn.content.append(text)
             continue
         close()
-        # V4 has no system turns mid-conversation, so a developer message is a user one there.
-        system = role == "system" or (role == "developer" and encoding == "v41")
-        out.append(Message("system" if system else "user", _text(f["content"])))
+        out.append(Message(developer_role(encoding) if role == "developer" else role, _text(f["content"])))
     if turn is not None and turn.unanswered():
         raise ConversionError(f"No tool output found for tool call {turn.unanswered()[0]}.")
     close()

@@ -263,10 +263,16 @@ class Tagged(Type):
     """An internally tagged enum: a JSON object whose `tag` key names the variant, e.g. {"role": "user", ...}.
     Reads to (variant, fields)."""
 
-    def __init__(self, name: str, tag: str, variants: dict[str, Struct | None], *, int_tags: bool = False) -> None:
+    def __init__(
+        self, name: str, tag: str, variants: dict[str, Struct | None], *, int_tags: bool = False,
+        unlisted: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.tag = tag
         self.variants = variants
+        # Variants we accept beyond the reference's: left out of its "expected one of" list, so its errors stay
+        # word for word.
+        self.listed = [v for v in variants if v not in unlisted]
         self.expecting = f"internally tagged enum {name}"
         # An enum nested two levels deep is read from serde's buffered content, where a tag may also be the
         # variant's index.
@@ -298,7 +304,7 @@ class Tagged(Type):
         if not isinstance(tag, str):
             raise invalid_type(tag, "variant identifier")
         if tag not in self.variants:
-            raise unknown_variant(tag, list(self.variants))
+            raise unknown_variant(tag, self.listed)
         return tag
 
 

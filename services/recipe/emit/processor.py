@@ -6,7 +6,7 @@ return the stream events to send; `body()` gives the complete response once done
     chunk --TokenPieces (ids only)--> pieces --OutputParser--> neutral events --API emitter--> stream events
 
 The turn ends on a Finish chunk, an end-of-sentence token (it is never text; it counts as a completion token
-and ends the turn like Finish("stop")), a stop sequence (then `stopped` is set: the engine should be told to
+and ends the turn like Finish("stop"); with ignore_eos it is an ordinary token, as it is for the engine), a stop sequence (then `stopped` is set: the engine should be told to
 cancel), or `finish()` without a Finish chunk (a plain "stop": deepseek-recipe reports "tool_calls" only on
 the backend's Finish("stop")). Chunks after the end are ignored.
 
@@ -104,7 +104,8 @@ class OutputProcessor:
         self._parser = OutputParser(prepared.parsing, plain=plain)  # text mode until the first Tokens chunk
         self._fed = False
         self._pieces = TokenPieces(tokens, skip_special=plain) if tokens is not None else None
-        self._eos = tokens.eos_ids if tokens is not None else frozenset()
+        # With ignore_eos the engine goes on past an end-of-sentence id, and so does the answer.
+        self._eos = tokens.eos_ids if tokens is not None and not prepared.inference.ignore_eos else frozenset()
         self._count = count_tokens
         created = int(time.time()) if created is None else created
         self._emitter = EMITTERS[prepared.api](prepared, response_id, created, self._thinking)
