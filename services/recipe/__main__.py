@@ -40,7 +40,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
     # --model may list several models, comma-separated; each is served under its ModelFiles.name.
     specs = [s.strip() for s in config.model.split(",") if s.strip()]
-    return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace)
+    return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace,
+                         served_names=config.served_model_names, max_model_len=config.max_model_len)
 
 
 if __name__ == "__main__":
