@@ -72,11 +72,11 @@ def add_common_args(parser: argparse.ArgumentParser, service: str) -> None:
     )
     parser.add_argument("--state-dir", default=env("DEEPINFER_STATE_DIR", ".state"))
     parser.add_argument("--model", default=env("DEEPINFER_MODEL", DEFAULT_MODEL))
-    parser.add_argument("--served-model-name", nargs="+", default=env("DEEPINFER_SERVED_MODEL_NAME"),
+    parser.add_argument("--served-model-name", nargs="+", default=env("DEEPINFER_SERVED_MODEL_NAME") or None,
                         help="the model's name(s) in the API (default: the model's own)")
-    parser.add_argument("--max-model-len", type=int, default=env("DEEPINFER_MAX_MODEL_LEN"),
+    parser.add_argument("--max-model-len", type=int, default=env("DEEPINFER_MAX_MODEL_LEN") or None,
                         help="prompt + completion tokens allowed (default: the model's context length)")
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=env("DEEPINFER_LOG_FORMAT", "text"))
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=env("DEEPINFER_LOG_FORMAT") or "text")
 
 
 def common_config(args: argparse.Namespace) -> ServiceConfig:
