@@ -185,7 +185,7 @@ def last_error(log_path: Path, offset: int = 0, fallback_lines: int = 3) -> list
             text = log.read().decode(errors="replace")
     except OSError:
         return []
-    lines = [_plain(line) for line in text.splitlines() if line.strip()]
+    lines = [part for line in text.splitlines() for part in _plain(line).splitlines() if part.strip()]
     tb = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")),
              default=None)
     if tb is not None:
