@@ -48,8 +48,9 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
     workers.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
     workers.add_argument("--gpu-memory-utilization", type=float, default=None,
-                         help="share of the GPU's memory each worker may fill, weights and KV pool (as vLLM's); "
-                              "default: the KV pool takes 80%% of what is free after loading the weights")
+                         help="share of the GPU's memory each worker may fill, weights and KV pool (as vLLM's; "
+                              "activations come on top); default: the KV pool takes 80%% of what is free after "
+                              "loading the weights")
     workers.add_argument("--kv-blocks", type=int, default=None,
                          help="KV pool size in blocks per worker (overrides --gpu-memory-utilization); "
                               "default: from memory (1 GiB on a CPU)")
@@ -86,37 +87,46 @@ def flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
 def parse(argv: list[str] | None, prog: str = "deepinfer up", *, positional_model: bool = False
           ) -> argparse.Namespace:
     p = parser(prog, positional_model=positional_model)
-    for action in flag_actions(p):  # a bad variable is named as such, not as a bad flag the user never typed
-        value = os.environ.get(env_name(action))
-        if value and action.type is not None:
-            try:
-                action.type(value)
-            except ValueError:
-                p.error(f"{env_name(action)}={value!r} is not a valid {action.option_strings[0]} value")
-        if value and action.choices is not None and value not in action.choices:
-            p.error(f"{env_name(action)}={value!r}: {action.option_strings[0]} takes one of {', '.join(action.choices)}")
+    _check_environment(p)
     args = p.parse_args(argv)
     if getattr(args, "model_arg", None):
         args.model = args.model_arg
     try:
         args.served_model_name = list(model_names(args.served_model_name))
+        _check_values(args)
     except ValueError as exc:
         p.error(str(exc))
-    for flag, value, low in (("--port", args.port, 0), ("--prefill-workers", args.prefill_workers, 1),
-                             ("--decode-workers", args.decode_workers, 1), ("--max-num-seqs", args.max_num_seqs, 1),
-                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
-                             ("--speculative-tokens", args.speculative_tokens, 0)):
-        if value < low:
-            p.error(f"{flag} must be at least {low}, got {value}")
-    if not args.port <= 65535:
-        p.error(f"--port must be at most 65535, got {args.port}")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        p.error(f"--max-model-len must be at least 2, got {args.max_model_len}")
-    if args.kv_blocks is not None and args.kv_blocks < 1:
-        p.error(f"--kv-blocks must be positive, got {args.kv_blocks}")
-    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
-        p.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     return args
+
+
+def _check_environment(p: argparse.ArgumentParser) -> None:
+    """A bad variable is named as such, not as a bad flag the user never typed."""
+    for action in flag_actions(p):
+        name, value = env_name(action), os.environ.get(env_name(action))
+        if not value:
+            continue
+        if action.type is not None:
+            try:
+                action.type(value)
+            except ValueError:
+                p.error(f"{name}={value!r} is not a valid {action.option_strings[0]} value")
+        if action.choices is not None and value not in action.choices:
+            p.error(f"{name}={value!r}: {action.option_strings[0]} takes one of {', '.join(action.choices)}")
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    lowest = {"--port": (args.port, 0), "--prefill-workers": (args.prefill_workers, 1),
+              "--decode-workers": (args.decode_workers, 1), "--max-num-seqs": (args.max_num_seqs, 1),
+              "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
+              "--speculative-tokens": (args.speculative_tokens, 0), "--max-model-len": (args.max_model_len, 2),
+              "--kv-blocks": (args.kv_blocks, 1)}
+    for flag, (value, low) in lowest.items():
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.port > 65535:
+        raise ValueError(f"--port must be at most 65535, got {args.port}")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 
 
 def env_table() -> str:

@@ -68,8 +68,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="share of the GPU's memory this worker may fill, weights and KV pool (as vLLM's); "
-                             "default: the KV pool takes 80%% of what is free after loading the weights")
+                        help="share of the GPU's memory this worker may fill, weights and KV pool (as vLLM's; "
+                             "activations come on top); default: the KV pool takes 80%% of what is free after "
+                             "loading the weights")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
