@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan:
     """Each flag goes to the services that own it: the served names to the gateway (/v1/models), the recipe
     (what requests may name) and the workers (what they serve, by which the balancer routes); the context cap to
-    the recipe (it refuses longer requests) and the workers (they hold no longer sequence)."""
+    the recipe (it refuses longer requests), the workers (they hold no longer sequence) and the gateway (it
+    reports it)."""
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--nats-url", nats_url, "--state-dir", str(state_dir), "--model", args.model]
@@ -79,7 +80,7 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     for flag, value in (("--device", args.device), ("--speculative-tokens", args.speculative_tokens or None),
                         ("--kv-blocks", args.kv_blocks), ("--gpu-memory-utilization", args.gpu_memory_utilization)):
         worker += [flag, str(value)] if value is not None else []
-    gateway = named + ["--host", args.host, "--port", str(args.port)]
+    gateway = capped + ["--host", args.host, "--port", str(args.port)]
     plan = Plan()
     plan.add("kvcache", "kvcache-0", common, logs)
     plan.add("balancer", "balancer-0", common + ["--roles", "prefill,decode"], logs)

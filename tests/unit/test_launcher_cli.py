@@ -150,7 +150,7 @@ def test_each_flag_reaches_the_services_that_own_it(tmp_path: Path) -> None:
     argv = {c.service: " ".join(c.argv) for c in plan.children}
     for service in ("gateway", "recipe", "prefill", "decode"):
         assert "--served-model-name smol alias" in argv[service]
-    for service in ("recipe", "prefill", "decode"):
+    for service in ("recipe", "prefill", "decode", "gateway"):
         assert "--max-model-len 300" in argv[service]
     for service in ("prefill", "decode"):
         assert "--gpu-memory-utilization 0.4" in argv[service] and "--kv-blocks 100" in argv[service]
