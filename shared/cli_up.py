@@ -1,0 +1,151 @@
+"""The flags of `deepinfer up` and `deepinfer serve MODEL` (vLLM's spelling of the same thing).
+
+Every flag has an environment default, DEEPINFER_<FLAG> (`--max-model-len` <- DEEPINFER_MAX_MODEL_LEN); a flag
+on the command line wins. `python -m shared.cli_up` prints the table of them (the README's). Torch-free, so
+`--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, DEFAULT_MODEL, HelpFormatter, model_names
+from shared.logs import LOG_FORMATS
+
+ENV_PREFIX = "DEEPINFER_"
+TRUE = ("1", "true", "yes", "on")
+
+
+def env_name(action: argparse.Action) -> str:
+    return ENV_PREFIX + action.dest.upper()
+
+
+def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the whole mesh on this machine: nats-server and every service, the API on --host:--port. "
+        "Every flag also reads an environment default, DEEPINFER_<FLAG> (e.g. DEEPINFER_PORT).",
+        formatter_class=HelpFormatter,
+    )
+    if positional_model:
+        p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                       help="packaged model name, .gguf file or HF checkpoint dir (the same as --model)")
+    api = p.add_argument_group("API")
+    api.add_argument("--host", default="127.0.0.1", help="the gateway's address")
+    api.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    api.add_argument("--api-key", default=None, help="require this key from clients (Bearer or x-api-key)")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file or HF checkpoint dir")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the name(s) clients use (the first in replies; env: comma-separated); default: the "
+                            "model's own")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + completion tokens a request may use; default: the model's context length")
+    workers = p.add_argument_group("workers (prefill and decode)")
+    workers.add_argument("--device", default=None, help="engine device; default: cuda when available, else cpu")
+    workers.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
+    workers.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
+    workers.add_argument("--gpu-memory-utilization", type=float, default=None,
+                         help="share of the GPU's memory each worker may fill, weights and KV pool (as vLLM's; "
+                              "activations come on top); default: the KV pool takes 80%% of what is free after "
+                              "loading the weights")
+    workers.add_argument("--kv-blocks", type=int, default=None,
+                         help="KV pool size in blocks per worker (overrides --gpu-memory-utilization); "
+                              "default: from memory (1 GiB on a CPU)")
+    workers.add_argument("--max-num-seqs", "--max-running", dest="max_num_seqs", type=int,
+                         default=DEFAULT_MAX_RUNNING, help="requests a worker holds at once")
+    workers.add_argument("--max-num-batched-tokens", "--max-batch-tokens", dest="max_num_batched_tokens", type=int,
+                         default=DEFAULT_MAX_BATCH_TOKENS, help="tokens per engine step (chunked prefill)")
+    workers.add_argument("--speculative-tokens", type=int, default=0,
+                         help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
+    run = p.add_argument_group("running")
+    run.add_argument("--state-dir", default=".state", help="NATS, KV store and logs live here (one `up` at a time)")
+    run.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    run.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every service")
+    run.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                     help="the services' logs: text, or one JSON object per line")
+    _env_defaults(p)
+    return p
+
+
+def _env_defaults(p: argparse.ArgumentParser) -> None:
+    """A DEEPINFER_<FLAG> variable replaces the flag's default (argparse converts a string default with the flag's
+    type, so DEEPINFER_PORT=9000 reads as the int 9000)."""
+    for action in flag_actions(p):
+        value = os.environ.get(env_name(action))
+        if value is None or value == "":
+            continue
+        action.default = value
+
+
+def flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in p._actions if a.option_strings and a.dest != "help"]
+
+
+def parse(argv: list[str] | None, prog: str = "deepinfer up", *, positional_model: bool = False
+          ) -> argparse.Namespace:
+    p = parser(prog, positional_model=positional_model)
+    _check_environment(p)
+    args = p.parse_args(argv)
+    if getattr(args, "model_arg", None):
+        args.model = args.model_arg
+    try:
+        args.served_model_name = list(model_names(args.served_model_name))
+        _check_values(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def _check_environment(p: argparse.ArgumentParser) -> None:
+    """A bad variable is named as such, not as a bad flag the user never typed."""
+    for action in flag_actions(p):
+        name, value = env_name(action), os.environ.get(env_name(action))
+        if not value:
+            continue
+        if action.type is not None:
+            try:
+                action.type(value)
+            except ValueError:
+                p.error(f"{name}={value!r} is not a valid {action.option_strings[0]} value")
+        if action.choices is not None and value not in action.choices:
+            p.error(f"{name}={value!r}: {action.option_strings[0]} takes one of {', '.join(action.choices)}")
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    lowest = {"--port": (args.port, 0), "--prefill-workers": (args.prefill_workers, 1),
+              "--decode-workers": (args.decode_workers, 1), "--max-num-seqs": (args.max_num_seqs, 1),
+              "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
+              "--speculative-tokens": (args.speculative_tokens, 0), "--max-model-len": (args.max_model_len, 2),
+              "--kv-blocks": (args.kv_blocks, 1)}
+    for flag, (value, low) in lowest.items():
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.port > 65535:
+        raise ValueError(f"--port must be at most 65535, got {args.port}")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def env_table() -> str:
+    """The flags and their variables as a Markdown table (defaults as written, before any environment)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    for key in saved:
+        del os.environ[key]
+    try:
+        actions = flag_actions(parser())
+    finally:
+        os.environ.update(saved)
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for a in actions:
+        default = "" if a.default is None else f"`{a.default}`"
+        meaning = (a.help or "").replace("%%", "%").replace("|", "\\|")
+        rows.append(f"| `{'`, `'.join(a.option_strings)}` | `{env_name(a)}` | {default} | {meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(env_table())
+    sys.exit(0)

@@ -1,0 +1,40 @@
+"""--gpu-memory-utilization on a GPU: the worker's share of the whole device, weights included, sizes its KV pool
+(marked gpu: skipped without CUDA). Run on an H200 2026-12-01 (as a script, the device copy lacking orjson):
+share 0.05 of 139.8 GiB -> KV pool 6.58 GiB, 6.99 GiB reserved; an earlier engine still held counts against
+the share, as it should (the share is this process's)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine
+from shared.engine.random_model import SHAPES, random_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("share", [0.05, 0.1])
+def test_the_kv_pool_fills_the_share_less_the_weights(share: float) -> None:
+    gc.collect()  # an engine is freed by the collector (its scheduler's callbacks refer back to it)
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info()
+    engine = Engine(random_llama(SHAPES["smollm2-135m"], "cuda", torch.bfloat16), device="cuda",
+                    gpu_memory_utilization=share, cuda_graphs=False)
+    pool = engine.kv.block_bytes * engine.blocks.num_blocks
+    reserved = torch.cuda.memory_reserved()
+    print(f"share {share}: total {total / GiB:.1f} GiB, KV pool {pool / GiB:.2f} GiB, reserved {reserved / GiB:.2f}")
+    assert reserved <= total * share + 64 * (1 << 20)  # weights + pool within the share (allocator rounding)
+    assert pool >= total * share - 2 * GiB  # the weights (0.3 GiB) and the model's buffers take the rest
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_a_share_the_weights_already_fill_is_refused() -> None:
+    with pytest.raises(ValueError, match="gpu_memory_utilization 0.0001"):
+        Engine(random_llama(SHAPES["smollm2-135m"], "cuda", torch.bfloat16), device="cuda",
+               gpu_memory_utilization=0.0001, cuda_graphs=False)
