@@ -26,7 +26,7 @@ from shared.version import VERSION
 from shared.worker import add_worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTES = ROOT / ".notes" / "i10-launch.md"
+NOTES = ROOT / "README.md"  # every DEEPINFER_* default is documented there
 
 
 def up(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
