@@ -7,7 +7,6 @@ servers on one JetStream store would corrupt it, and nats-server itself does not
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from shared import pidlock
 from shared.process import die_with_parent
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # KV blocks travel one per message; 8 MiB leaves room for big layouts
@@ -53,19 +53,10 @@ class NatsServer:
 
 
 def lock_store(state_dir: Path) -> IO[str]:
-    lock = open(state_dir / "nats.lock", "a+")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        raise RuntimeError(f"{state_dir} is in use by the nats-server of pid {holder}") from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    return lock
+        return pidlock.acquire(state_dir / "nats.lock")
+    except pidlock.Locked as exc:
+        raise RuntimeError(f"{state_dir} is in use by the nats-server of pid {exc.holder}") from None
 
 
 def start(state_dir: Path, *, port: int = -1, timeout: float = 15.0, log_file: Path | None = None) -> NatsServer:

@@ -6,12 +6,12 @@ files the services will look for.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import socket
 from pathlib import Path
 from typing import IO
 
+from shared import pidlock
 from shared.models import ModelFiles, ModelNotFound, resolve
 
 LOCK_FILE = "up.lock"
@@ -26,20 +26,11 @@ def lock_state_dir(state_dir: Path, shown: str) -> IO[str]:
     when the process dies, however it dies). Two `up`s on one dir would run two nats-servers on one JetStream
     store. `shown` is the dir as the user wrote it."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(state_dir / LOCK_FILE, "a+")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        raise PreflightError(f"state dir {shown} is in use by deepinfer up pid {holder} "
+        return pidlock.acquire(state_dir / LOCK_FILE)
+    except pidlock.Locked as exc:
+        raise PreflightError(f"state dir {shown} is in use by deepinfer up pid {exc.holder} "
                              "(stop it, or give this one another --state-dir)") from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    return lock
 
 
 def check_port(host: str, port: int) -> None:
