@@ -51,8 +51,8 @@ class LogitsProcessors:
                   for t in rows[i][0].seq.stop_ids]
         if banned:
             at, ids = zip(*banned)
-            logits = logits.index_put((self._tensor(at), self._tensor(ids)),
-                                      torch.tensor(float("-inf"), device=logits.device))
+            flat = self._tensor(at) * self.vocab + self._tensor(ids)
+            logits = logits.flatten().index_fill(0, flat, float("-inf")).view_as(logits)
         return logits
 
     def record(self, tokens: torch.Tensor | list[int]) -> None:
@@ -63,13 +63,13 @@ class LogitsProcessors:
         self._pending = None
         if isinstance(tokens, list):
             tokens = self._tensor(tokens)
-        self.seen[slots, tokens.index_select(0, rows)] = True  # device indices: no host sync
+        _mark(self.seen, slots, tokens.index_select(0, rows))
 
     def accept(self, seq: Sequence, tokens: list[int]) -> None:
         """A speculative step's verified tokens of `seq` (accepted drafts and the bonus token)."""
         slot = self.slots.get(seq.request_id)
         if slot is not None:
-            self.seen[slot, self._tensor(tokens)] = True
+            _mark(self.seen, self._tensor([slot] * len(tokens)), self._tensor(tokens))
 
     def drop(self, request_id: str) -> None:
         """The request samples no more here (finished, aborted, released): its slot is free."""
@@ -84,7 +84,7 @@ class LogitsProcessors:
         drafted = [(j, d) for j, i in enumerate(penalised) for d in rows[i][0].drafts[: rows[i][1]]]
         if drafted:
             j, d = zip(*drafted)
-            seen[self._tensor(j), self._tensor(d)] = True
+            _mark(seen, self._tensor(j), self._tensor(d))
         p = torch.tensor([rows[i][0].seq.sampling.repetition_penalty for i in penalised], dtype=torch.float32)
         p = p.to(logits.device, non_blocking=True)[:, None]  # (n, 1)
         x = logits.index_select(0, at)  # (n, V)
@@ -104,8 +104,14 @@ class LogitsProcessors:
         assert min(seq.token_ids) >= 0, "a sequence's first sampled step has no token in flight"
         self.slots[seq.request_id] = slot
         self.seen[slot] = False  # (a slot's previous owner may have left stale bits)
-        self.seen[slot, self._tensor(seq.token_ids)] = True
+        _mark(self.seen, self._tensor([slot] * seq.num_tokens), self._tensor(seq.token_ids))
         return slot
 
     def _tensor(self, values: list[int] | tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _mark(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """table[rows[i], cols[i]] = True for every i, in place. A fill at flat indices: advanced-index assignment
+    (table[rows, cols] = True) waits for the device on CUDA, which would stall the overlapped steps."""
+    table.view(-1).index_fill_(0, rows * table.shape[1] + cols, True)
