@@ -20,6 +20,7 @@ from typing import Any
 from shared import short_term, subjects
 from shared.bus import Bus, Envelope, WorkQueue
 from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, ServiceConfig
+from shared.engine.api import RequestError
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.device import default_device
 from shared.engine.engine import Engine
@@ -186,6 +187,12 @@ class EngineWorker(ABC):
         self.active.add(request_id)
         try:
             await self.handle(job, env)
+        except RequestError as exc:
+            # the engine refused what the client asked: answer it (a 400 in the API's format) and settle the
+            # job, rather than fail it into redelivery that would refuse it again
+            log.info("%s: refused by the engine: %s", request_id, exc)
+            await self.publish_tokens(TokenEvent(request_id, index=0, token_ids=[], finish_reason="error",
+                                                 error=str(exc), error_status=400), env)
         finally:
             self.active.discard(request_id)
             assert self.bus is not None

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from shared.schemas.generate import SamplingParams
 
 
+class RequestError(ValueError):
+    """A request the engine refuses because of what the client asked (sampling out of range, too long): the
+    worker answers it as a 4xx; any other ValueError from the engine is a bug on the caller's side."""
+
+
 @dataclass
 class EngineRequest:
     request_id: str

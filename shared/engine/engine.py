@@ -17,13 +17,14 @@ reported (scheduler.resolve). The tokens are the same as the synchronous path's.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
 import torch
 
 from shared import hashing
-from shared.engine.api import EngineRequest, EngineStats, StepOutput
+from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutput
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import KVCache
@@ -31,12 +32,14 @@ from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
+from shared.engine.processors import LogitsProcessors
 from shared.engine.sampler import sample, sample_on_device
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
 from shared.models import ModelFiles, resolve
+from shared.schemas.generate import SamplingParams
 
-__all__ = ["Engine", "EngineRequest", "EngineStats", "StepOutput", "run_to_completion"]
+__all__ = ["Engine", "EngineRequest", "EngineStats", "RequestError", "StepOutput", "run_to_completion"]
 
 CPU_KV_BYTES = 1 << 30  # default KV budget on the CPU: 1 GiB
 GPU_KV_FRACTION = 0.8  # default KV budget on a GPU: this share of the memory free after loading weights
@@ -118,6 +121,7 @@ class Engine:
                 raise ValueError(f"{loaded.name}: no MTP layer to draft speculative tokens with")
             if not 0 < speculative_tokens <= self.kv.backtrack:
                 raise ValueError(f"speculative_tokens must be in [1, {self.kv.backtrack}]")
+        self.processors = LogitsProcessors(self.config.vocab_size, self.device)  # repetition penalty, min_tokens
         self.spec_drafted = self.spec_accepted = 0  # drafts proposed / accepted (the acceptance rate)
         # the CPU steps synchronously (tests may switch this on); speculative steps need their tokens at once
         self.overlap = self.device.type == "cuda" and not speculative_tokens
@@ -144,8 +148,10 @@ class Engine:
             if self.speculative:
                 self._draft(done.plan)
             for out in outputs:
-                if out.finish_reason is not None and out.request_id not in self.scheduler.held:
-                    self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
+                if out.finish_reason is not None:
+                    self.processors.drop(out.request_id)
+                    if out.request_id not in self.scheduler.held:
+                        self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)
 
@@ -156,9 +162,10 @@ class Engine:
             return None
         logits = self.runner.run(plan)  # (num_sampled, V)
         # one row per sampled chunk; a chunk with drafts samples every row, at consecutive output positions
-        rows = [(c.seq, c.seq.output_position + r) for c in plan.chunks if c.sample
-                for r in range(c.num_tokens if c.drafts else 1)]
-        specs, positions = [s.sampling for s, _ in rows], [p for _, p in rows]
+        rows = [(c, r) for c in plan.chunks if c.sample for r in range(c.num_tokens if c.drafts else 1)]
+        specs = [c.seq.sampling for c, _ in rows]
+        positions = [c.seq.output_position + r for c, r in rows]
+        logits = self.processors.apply(logits, rows, positions)  # before commit: it reads the known tokens
         self.scheduler.commit(plan)  # after reading output positions: it advances them
         if self.speculative:
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
@@ -166,11 +173,13 @@ class Engine:
             return _Launched(plan, self._verify(plan, sampled))
         if self.device.type == "cpu":
             tokens = sample(logits, specs, positions)
+            self.processors.record(tokens)
             if self.overlap:
                 self.runner.feed(torch.tensor(tokens, dtype=torch.long))
             return _Launched(plan, tokens)
         # on the device, batched; the one host round trip is reading the tokens back, one step later
         dev_tokens = sample_on_device(logits, specs, positions)  # (N,) int64
+        self.processors.record(dev_tokens)
         if self.overlap:
             self.runner.feed(dev_tokens)
         self._steps += 1
@@ -191,6 +200,7 @@ class Engine:
                 continue
             if not c.drafts:
                 out.append(sampled[at])
+                self.processors.accept(c.seq, [sampled[at]])
                 at += 1
                 continue
             tokens = sampled[at : at + c.num_tokens]
@@ -199,6 +209,7 @@ class Engine:
             self.spec_drafted += len(c.drafts)
             self.spec_accepted += keep
             out.append(tokens[: keep + 1])
+            self.processors.accept(c.seq, tokens[: keep + 1])
         return out
 
     def _draft(self, plan: StepPlan) -> None:
@@ -225,10 +236,12 @@ class Engine:
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
             self.kv.drop_state(request_id)
+            self.processors.drop(request_id)
 
     def release(self, request_id: str) -> None:
         if self.scheduler.release(request_id) is not None:
             self.kv.drop_state(request_id)
+            self.processors.drop(request_id)
 
     # --- KV export --------------------------------------------------------------------------------------------
 
@@ -276,17 +289,19 @@ class Engine:
     # --- internals --------------------------------------------------------------------------------------------
 
     def _validate(self, req: EngineRequest) -> Sequence:
+        """The request's Sequence; RequestError for what the client asked wrong, ValueError for a worker's
+        mistake (ids, prefixes)."""
         n = len(req.token_ids)
         if not req.request_id or req.request_id in self.scheduler.seqs:
             raise ValueError(f"request id {req.request_id!r} is empty or already in use")
         if n == 0:
-            raise ValueError("empty prompt")
+            raise RequestError("empty prompt")
         if n >= self.max_tokens:
-            raise ValueError(f"{n} tokens leave no room to generate (limit {self.max_tokens} tokens)")
+            raise RequestError(f"{n} tokens leave no room to generate (limit {self.max_tokens} tokens)")
         if any(not 0 <= t < self.config.vocab_size for t in req.token_ids):
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+            raise RequestError(f"token ids must be in [0, {self.config.vocab_size})")
         if req.max_new_tokens < 1 or req.output_offset < 0:
-            raise ValueError("max_new_tokens must be >= 1 and output_offset >= 0")
+            raise RequestError("max_new_tokens must be >= 1 and output_offset >= 0")
         if not 0 <= req.prefix_tokens <= n:
             raise ValueError(f"prefix_tokens {req.prefix_tokens} outside [0, {n}]")
         if len(req.prefix_blocks) != -(-req.prefix_tokens // self.block_tokens):
@@ -294,16 +309,13 @@ class Engine:
         if any(len(b) not in (0, self.block_bytes) for b in req.prefix_blocks):
             raise ValueError(f"prefix blocks must be {self.block_bytes} bytes each (or b'' for one held here)")
         sp = req.sampling
-        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
         stop = req.stop_token_ids
         if stop is None:
             stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else self.config.eos_ids)]
-        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
         return Sequence(
             request_id=req.request_id,
             token_ids=list(req.token_ids),
-            sampling=SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed),
+            sampling=sampling_spec(sp),
             stop_ids=frozenset(stop),
             max_new_tokens=min(req.max_new_tokens, self.max_tokens - n),
             output_offset=req.output_offset,
@@ -333,6 +345,26 @@ class Engine:
         else:
             budget = CPU_KV_BYTES
         return max(1, budget // block_bytes)
+
+
+def sampling_spec(sp: SamplingParams) -> SamplingSpec:
+    """Validate a request's sampling fields (RequestError names the first bad one) and draw a seed if it has none.
+
+    min_tokens is checked against the request's whole max_tokens: a prefill engine generates one of them."""
+    checks = (
+        (sp.temperature >= 0, f"temperature must be >= 0, got {sp.temperature}"),
+        (0 < sp.top_p <= 1, f"top_p must be in (0, 1], got {sp.top_p}"),
+        (sp.top_k >= 0, f"top_k must be >= 0, got {sp.top_k}"),
+        (0 <= sp.min_p <= 1, f"min_p must be in [0, 1], got {sp.min_p}"),
+        (0 < sp.repetition_penalty < math.inf, f"repetition_penalty must be > 0, got {sp.repetition_penalty}"),
+        (0 <= sp.min_tokens <= sp.max_tokens,
+         f"min_tokens must be in [0, max_tokens = {sp.max_tokens}], got {sp.min_tokens}"),
+    )
+    for ok, message in checks:  # (NaN fails every comparison, so it is refused too)
+        if not ok:
+            raise RequestError(message)
+    seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+    return SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed, sp.min_p, sp.repetition_penalty, sp.min_tokens)
 
 
 def run_to_completion(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[int]]:

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, or temperature / top-k / top-p with stateless seeded noise.
+"""Token sampling: greedy, or temperature -> min_p -> top-k -> top-p with stateless seeded noise (vLLM's order;
+the repetition penalty and min_tokens act on the logits before this, processors.py).
 
 The random draw for output position p of a request depends only on (seed, p): a generator is seeded from a
 hash of the pair and draws one exponential per vocabulary entry, and the token is argmax(probs / noise)
@@ -35,6 +36,9 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
 
 def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> int:
     logits = logits / spec.temperature  # (V,)
+    if spec.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < spec.min_p * probs.max(), float("-inf"))
     if 0 < spec.top_k < logits.shape[0]:
         kth = torch.topk(logits, spec.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -52,7 +56,7 @@ def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> int:
 
 # --- batched, on the device -----------------------------------------------------------------------------------
 #
-# The same rule (greedy, or temperature -> top-k -> top-p -> exponential race keyed by (seed, position)) for
+# The same rule (greedy, or temperature -> min_p -> top-k -> top-p -> exponential race keyed by (seed, position)) for
 # all rows at once, with no host round trip per row. torch.Generator cannot be keyed per row inside one
 # kernel, so the Exp(1) noise comes from a counter-based hash of (draw_key(seed, position), vocab index):
 # stateless, batch-independent and the same on any device, but not the CPU path's exact draws.
@@ -93,6 +97,10 @@ def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions:
     index = torch.tensor(hot).to(dev, non_blocking=True)
     x = logits.index_select(0, index) / temp[:, None]  # (n, V)
     V = x.shape[1]
+    if any(s.min_p > 0 for s in hs):
+        min_p = torch.tensor([s.min_p for s in hs], dtype=torch.float32).to(dev, non_blocking=True)
+        probs = torch.softmax(x, dim=-1)  # rows with min_p 0 keep everything (probs >= 0)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if any(0 < s.top_k < V or s.top_p < 1.0 for s in hs):
         top_k = torch.tensor([s.top_k if 0 < s.top_k < V else V for s in hs]).to(dev, non_blocking=True)
         top_p = torch.tensor([s.top_p for s in hs], dtype=torch.float32).to(dev, non_blocking=True)

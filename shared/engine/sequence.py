@@ -22,6 +22,14 @@ class SamplingSpec:
     top_k: int
     top_p: float
     seed: int
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # output positions below this one cannot sample a stop id
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits processors before the sampler (processors.py) have anything to do for it."""
+        return self.repetition_penalty != 1.0 or self.min_tokens > 0
 
 
 @dataclass(eq=False)

@@ -133,3 +133,55 @@ def test_overlapped_equals_synchronous(model, dtype) -> None:
     got = overlap_run(fast, ps, stop)
     assert got == expected
     assert sum(len(v) < 2 + int(k[1:]) for k, v in expected.items() if k[0] == "a") >= 1  # some stopped early
+
+
+def test_processors_on_the_device_paths() -> None:
+    """Repetition penalty, min_tokens and min_p through the GPU's paths (batched sampling, CUDA graphs, the
+    overlapped steps whose last token the host has not seen yet): fp32, the same tokens as synchronous eager
+    steps; and the processors' device work equals the CPU's on the same logits."""
+    from shared.engine.processors import LogitsProcessors
+    from shared.engine.scheduler import Chunk
+    from shared.engine.sequence import SamplingSpec, Sequence
+
+    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=6)
+    ps = prompts(12, 6, lo=5, hi=120)
+    sync = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32, cuda_graphs=False)
+    sync.overlap = False
+    held = [2, 6, 10]  # the min_tokens rows: their stop ids are the first tokens greedy gives them
+    probe = run_to_completion(sync, [EngineRequest(f"p{i}", ps[i], GREEDY, 4) for i in held])
+    stop = sorted({t for v in probe.values() for t in v})
+
+    def requests() -> list[EngineRequest]:
+        kinds = [SamplingParams(temperature=0, ignore_eos=True, repetition_penalty=1.5),
+                 SamplingParams(temperature=0.8, seed=9, min_p=0.1, repetition_penalty=1.3, ignore_eos=True),
+                 SamplingParams(temperature=0, stop_token_ids=stop, min_tokens=6),
+                 GREEDY]
+        return [EngineRequest(f"r{i}", p, kinds[i % 4], 16) for i, p in enumerate(ps)]
+
+    expected = run_to_completion(sync, requests())
+    assert all(len(expected[f"r{i}"]) >= 6 and not set(expected[f"r{i}"][:6]) & set(stop) for i in held)
+    assert expected["r0"] != run_to_completion(sync, [EngineRequest("g", ps[0], GREEDY, 16)])["g"]
+    fast = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32)
+    assert fast.overlap
+    assert run_to_completion(fast, requests()) == expected
+    assert fast.runner.graphs is None or fast.runner.graphs.graphs  # decode steps replayed graphs (with Triton)
+    # and no step waits for the device (the penalty's token sets grow on it): the host stays a step ahead
+    for r in requests():
+        fast.add(r)
+    for _ in range(4):
+        fast.step()  # prefill; the graphs of this batch were captured by the run above
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            fast.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while fast.has_work():
+        fast.step()
+
+    logits = torch.randn(3, 49152, device="cuda")
+    seqs = [Sequence(f"s{i}", [5, 9, 5, 70 + i], SamplingSpec(0.0, 0, 1.0, 0, repetition_penalty=1.7, min_tokens=2),
+                     frozenset({2, 11}), 8, 0, False) for i in range(3)]
+    rows = [(Chunk(s, 3, 2, True, (40,)), r) for s in seqs[:1] for r in (0, 1)] + [(Chunk(seqs[1], 3, 1, True), 0)]
+    outs = [LogitsProcessors(49152, torch.device(d)).apply(logits.to(d), rows, [1, 2, 0]).cpu() for d in ("cpu", "cuda")]
+    assert torch.equal(outs[0], outs[1])

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
 from shared.bus import Bus, Envelope
+from shared.schemas.generate import GenerateRequest, SamplingParams, TokenEvent
 from shared.schemas.workers import Heartbeat
 from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
 from tests.integration.otlp import OtlpReceiver
@@ -172,6 +173,31 @@ def test_prompt_beyond_context_is_a_4xx(oai: openai.OpenAI) -> None:
         oai.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10_000_000
         )
+
+
+def test_sampling_the_engine_refuses_is_a_400_event_not_a_redelivery(mesh: Mesh) -> None:
+    """A job whose sampling fields the engine refuses (here sent past the recipe, straight to the prefill
+    balancer) ends its request with a 400 error event naming the field; the job is settled, not retried."""
+
+    async def scenario() -> TokenEvent:
+        bus = await Bus.connect(mesh.nats_url, "test-engine-refusal")
+        got: asyncio.Future[TokenEvent] = asyncio.get_running_loop().create_future()
+
+        async def on_event(event: TokenEvent, _: Envelope) -> None:
+            if not got.done():
+                got.set_result(event)
+
+        rid = "engine-refusal-1"
+        await bus.subscribe(subjects.tokens(rid), TokenEvent, on_event)
+        job = GenerateRequest(rid, MODEL, [1, 2, 3], SamplingParams(max_tokens=4, min_p=2.0))
+        await bus.submit(subjects.ROUTE_PREFILL, job, msg_id=rid)
+        try:
+            return await asyncio.wait_for(got, 120)
+        finally:
+            await bus.drain()
+
+    event = asyncio.run(scenario())
+    assert (event.finish_reason, event.error_status) == ("error", 400) and "min_p" in event.error
 
 
 async def _decode_heartbeat(nats_url: str, wanted: Callable[[Heartbeat], bool], timeout: float) -> Heartbeat:

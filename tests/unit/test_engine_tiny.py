@@ -231,3 +231,86 @@ def test_prefix_blocks_the_engine_holds_need_not_travel(checkpoint: Path) -> Non
 
     assert run("gone", [b"", b"", b"", blobs[3]]) == (want, 32)  # block 2 is not here: computed from 32 on
     assert run("held", [b"", b"", b"", blobs[3]]) == (want, 56)  # now it is (the last request left it)
+
+
+# --- repetition penalty, min_tokens, min_p through the engine --------------------------------------------------
+
+FEW = list(range(200, 216))  # the only tokens that are not stop ids in the min_tokens tests below
+ALL_BUT_FEW = [t for t in range(CONFIG["vocab_size"]) if t not in FEW]
+
+
+def test_greedy_repetition_penalty_is_the_reference_and_stops_the_repeats(loaded: LoadedModel) -> None:
+    prompt, n, penalty = PROMPTS[0], 24, 5.0
+    engine = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    plain = run_to_completion(engine, [EngineRequest("p", prompt, SamplingParams(temperature=0, ignore_eos=True),
+                                                     n)])["p"]
+    assert len(set(plain)) < len(plain)  # the plain greedy run repeats itself
+    sampling = SamplingParams(temperature=0, ignore_eos=True, repetition_penalty=penalty)
+    got = run_to_completion(engine, [EngineRequest("r", prompt, sampling, n)])["r"]
+    want: list[int] = []
+    for _ in range(n):  # the definition: every token id held so far penalised, then argmax
+        logits = prompt_logits(engine, prompt + want).clone()
+        for t in set(prompt + want):
+            logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+        want.append(int(logits.argmax()))
+    assert got == want
+    assert len(set(got)) == len(got) and not set(got) & set(prompt)  # this strong a penalty: no repeats at all
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_min_tokens_holds_the_stop_ids_back_then_lets_them_stop(loaded: LoadedModel, overlap: bool) -> None:
+    """Nearly every token is a stop id: the plain run stops at once; with min_tokens the first min_tokens
+    tokens come from the few others and the next one stops."""
+    engine = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    engine.overlap = overlap
+    base = {"temperature": 0, "stop_token_ids": ALL_BUT_FEW}
+    assert len(run_to_completion(engine, [EngineRequest("p", PROMPTS[1], SamplingParams(**base), 20)])["p"]) == 1
+    for min_tokens in (1, 5):
+        engine.add(EngineRequest("m", PROMPTS[1], SamplingParams(**base, min_tokens=min_tokens), 20))
+        outs = []
+        while engine.has_work():
+            outs += engine.step()
+        tokens = [t for o in outs for t in o.token_ids]
+        assert len(tokens) == min_tokens + 1 and set(tokens[:-1]) <= set(FEW) and outs[-1].finish_reason == "stop"
+
+
+def penalised_sampling(temperature: float) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=21, min_p=0.05, top_k=50, repetition_penalty=3.0,
+                          min_tokens=6, stop_token_ids=ALL_BUT_FEW)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_prefill_to_decode_hand_over_keeps_min_tokens_and_the_penalty(loaded: LoadedModel,
+                                                                        temperature: float) -> None:
+    """Prefill samples output position 0, decode the rest from output_offset 1: the same tokens as one engine
+    running the whole request, so the penalty sees the prompt and the first token, and min_tokens counts
+    the first token as generated."""
+    sampling, prompt = penalised_sampling(temperature), PROMPTS[1]
+    one = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
+                            [EngineRequest("r", prompt, sampling, 20)])["r"]
+    assert len(one) == 7 and len(set(one[:-1])) == 6 and not set(one[:-1]) & set(prompt)
+    prefill = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    first = run_to_completion(prefill, [EngineRequest("r", prompt, sampling, 1, hold_kv=True)])["r"]
+    blobs = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
+    prefill.release("r")
+    decode = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    rest = run_to_completion(decode, [EngineRequest("r", prompt + first, sampling, 19, output_offset=1,
+                                                    prefix_blocks=blobs, prefix_tokens=len(prompt))])["r"]
+    assert first + rest == one
+    assert not prefill.processors.slots and not decode.processors.slots  # every token set freed
+
+
+def test_overlapped_steps_match_synchronous_with_processors(loaded: LoadedModel) -> None:
+    """The overlapped path extends the penalty's token sets on the device, from tokens the host has not seen yet."""
+    def run(overlap: bool) -> dict[str, list[int]]:
+        engine = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+        engine.overlap = overlap
+        reqs = [EngineRequest("g", PROMPTS[0], SamplingParams(temperature=0, ignore_eos=True,
+                                                              repetition_penalty=1.8), 16),
+                EngineRequest("h", PROMPTS[2], penalised_sampling(0.9), 16),
+                EngineRequest("b", PROMPTS[1], SamplingParams(temperature=0.7, seed=4, min_p=0.1,
+                                                              ignore_eos=True), 16)]
+        return run_to_completion(engine, reqs)
+
+    sync = run(False)
+    assert sync == run(True)

@@ -23,13 +23,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return v4_checkpoints.build_hub(tmp_path_factory.mktemp("v4"))
 
 
-def _requests(temperature: float) -> list[EngineRequest]:
+# Penalised requests may only sample these (every other id is a stop id, held back by min_tokens = max_tokens),
+# so the repetition penalty decides nearly every token: a verified row that missed the drafts before it would
+# pick another one.
+FEW = list(range(100, 108))
+
+
+def _requests(temperature: float, penalised: bool = False) -> list[EngineRequest]:
     prompts = {"a": 9, "b": 30, "c": 17}
+    processors = {"repetition_penalty": 4.0, "min_p": 0.05, "min_tokens": 14} if penalised else {}
+    stop = [t for t in range(512) if t not in FEW] if penalised else []
     out = []
     for i, (rid, n) in enumerate(prompts.items()):
         ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(i)).tolist()
-        sampling = SamplingParams(temperature=temperature, max_tokens=14, seed=100 + i)
-        out.append(EngineRequest(rid, ids, sampling, max_new_tokens=14, stop_token_ids=[]))
+        sampling = SamplingParams(temperature=temperature, max_tokens=14, seed=100 + i, **processors)
+        out.append(EngineRequest(rid, ids, sampling, max_new_tokens=14, stop_token_ids=stop))
     return out
 
 
@@ -43,11 +51,16 @@ def test_drafts_never_change_the_output(checkpoint: Path, k: int, temperature: f
     assert not engine.kv.states  # every request's state (MTP ring included) is freed
 
 
-def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path) -> None:
+@pytest.mark.parametrize("temperature, penalised", [(0.0, False), (0.0, True), (0.8, True)],
+                         ids=["greedy", "greedy-penalised", "seeded-penalised"])
+def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path, temperature: float, penalised: bool
+                                                       ) -> None:
     """An oracle drafter that knows the plain output (but gets every third draft wrong): accepted drafts make
     steps emit several tokens, rejected ones roll the rings back, and the output is unchanged."""
-    requests = _requests(0.0)
+    requests = _requests(temperature, penalised)
     plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64), requests)
+    if penalised:
+        assert all(len(v) == 14 and set(v) <= set(FEW) for v in plain.values())
     engine = Engine(str(checkpoint), kv_blocks=64, speculative_tokens=3)
     calls = {"n": 0}
     real_draft = engine.model.mtp_draft
@@ -61,7 +74,7 @@ def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path) -> None
 
     engine.model.mtp_draft = oracle
     steps = 0
-    engine_requests = _requests(0.0)
+    engine_requests = _requests(temperature, penalised)
     for r in engine_requests:
         engine.add(r)
     got: dict[str, list[int]] = {r.request_id: [] for r in engine_requests}
@@ -74,6 +87,7 @@ def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path) -> None
     stats = engine.stats()  # what the worker reports as its MTP acceptance rate
     assert (stats.drafted, stats.accepted) == (engine.spec_drafted, engine.spec_accepted)
     assert steps < 14 + 3  # fewer steps than one token per step would take (prefill chunks included)
+    assert not engine.processors.slots
 
 
 def test_speculative_decoding_needs_an_mtp_layer(tmp_path: Path) -> None:
