@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from shared import subjects
 from shared.bus import Bus
@@ -19,11 +19,13 @@ PRESENCE_TIMEOUT_S = 3.0  # silent this long: gone (the balancer's default --wor
 
 
 async def announce_forever(
-    bus: Bus, service: str, instance: str, models: Sequence[str] = (), interval: float = PRESENCE_INTERVAL_S
+    bus: Bus, service: str, instance: str, models: Sequence[str] = (), interval: float = PRESENCE_INTERVAL_S,
+    aliases: Mapping[str, str] | None = None,
 ) -> None:
     while True:
         try:
-            await bus.publish(subjects.PRESENCE, Presence(service, instance, list(models), time.time()))
+            presence = Presence(service, instance, list(models), time.time(), dict(aliases or {}))
+            await bus.publish(subjects.PRESENCE, presence)
         except Exception as exc:  # reconnecting: the gateway sees a gap, as it would for a worker
             log.debug("presence not sent: %s", exc)
         await asyncio.sleep(interval)

@@ -43,10 +43,12 @@ class Fleet:
         services = self.services(now)
         lacking = [] if any(p.service == "balancer" for p in services) else ["a balancer"]
         for model in models:
-            if not any(p.service == "recipe" and model in p.models for p in services):
+            recipe = next((p for p in services if p.service == "recipe" and model in p.models), None)
+            if recipe is None:
                 lacking.append(f"a recipe for {model}")
-            lacking += [f"a {role} worker for {model}" for role in ROLES if not workers[(role, model)]]
-        return lacking
+            served = recipe.aliases.get(model, model) if recipe is not None else model  # workers serve one name
+            lacking += [f"a {role} worker for {served}" for role in ROLES if not workers[(role, served)]]
+        return list(dict.fromkeys(lacking))  # an alias and its model lack the same workers: say it once
 
     def _forget(self, now: float) -> None:
         cutoff = now - self.timeout_s

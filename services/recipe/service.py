@@ -111,7 +111,10 @@ class RecipeService:
         )
         self._query_subs = await Queries(self._models, self._options, self._responses).subscribe(bus)
         self._reaper = asyncio.create_task(self._reap())
-        self._presence = asyncio.create_task(announce_forever(bus, self.name, bus.name, list(self._models)))
+        aliases = {alias: m.name for alias, m in self._models.items() if alias != m.name}
+        self._presence = asyncio.create_task(
+            announce_forever(bus, self.name, bus.name, list(self._models), aliases=aliases)
+        )
         self._status = "ready"
         log.info("serving %s", ", ".join(f"{m.name} ({m.encoding}, context {m.context_length})" for m in models))
 

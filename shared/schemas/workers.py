@@ -35,6 +35,8 @@ class Presence:
     instance: str
     models: list[str] = field(default_factory=list)  # the models it serves ([] for the balancer: any)
     sent_at: float = 0.0
+    # a served name that is an alias (--served-model-name) -> the name the workers serve the model under
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from prometheus_client.samples import Sample
 
 from services.gateway.app import build_app
 from services.gateway.config import GatewayConfig
+from services.gateway.fleet import Fleet
 from services.gateway.metrics import Metrics
 from shared import subjects
 from shared.bus import BusTimeout
@@ -257,3 +258,17 @@ async def test_a_streamed_request_through_the_app_moves_the_series() -> None:
     assert value(parsed, "vllm:prompt_tokens_total", **m) == 9
     assert value(parsed, "vllm:request_success_total", finished_reason="stop", **m) == 1
     assert value(parsed, "deepinfer_gateway_requests_total", api="chat", status="200") == 1
+
+
+def test_readiness_follows_a_served_alias_to_the_workers_model() -> None:
+    """--served-model-name smol alias: the recipe serves both names, the workers only the first."""
+    fleet, now = Fleet(), 100.0
+    fleet.heard_service(Presence("balancer", "balancer-0", [], now), now)
+    fleet.heard_service(Presence("recipe", "recipe-0", ["smol", "alias"], now, {"alias": "smol"}), now)
+    assert fleet.missing(["smol", "alias"], now) == ["a prefill worker for smol", "a decode worker for smol"]
+    for role in ("prefill", "decode"):
+        fleet.heard_worker(Heartbeat(f"{role}-0", role, "smol", 0, 0, 10, 10, now), now)
+    assert fleet.missing(["smol", "alias"], now) == []
+    assert fleet.missing(["smol", "alias"], now + 10) == ["a balancer", "a recipe for smol", "a prefill worker for smol",
+                                                         "a decode worker for smol", "a recipe for alias",
+                                                         "a prefill worker for alias", "a decode worker for alias"]
