@@ -32,6 +32,8 @@ RECIPE_COUNT_TOKENS = "recipe.count_tokens"
 KV_LOOKUP = "kv.lookup"
 KV_GET = "kv.get"
 KV_PUT = "kv.put"
+KV_GET_RUN = "kv.get.run"  # KvGetRun -> KvGetRunReply: a prefix run, many blocks per message
+KV_PUT_BATCH = "kv.put.batch"  # KvPutBatch -> KvPutBatchReply: many blocks per message
 KV_DELETE = "kv.delete"
 KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
 

@@ -4,9 +4,14 @@ periodic sweep.
 The store's tiers (see store.py): RAM (hot copies), LMDB at `<state_dir>/kvcache/` (short-term entries, warm
 blocks) and the SSD tier at `<state_dir>/kvcache/ssd/` (long-term blocks, kept for days across restarts).
 
-Every store call runs on one dedicated I/O thread: LMDB reads of a cold page and fsyncs can block, and the store
-is not thread-safe, so one thread both keeps the event loop free and serializes access. The environment is
-opened on that thread when the service starts (never before a fork).
+The disk tiers run on one dedicated I/O thread: LMDB reads of a cold page and fsyncs can block, and they are not
+thread-safe, so one thread both keeps the event loop free and serializes access. The environment is opened on
+that thread when the service starts (never before a fork). What the RAM tier holds is served on the event loop
+at once (store.py: `hot_lookup`, `hot_run`, `put_hot`), so a RAM hit never queues behind a disk write; a put's
+write to its home tier still happens (write-through) and the reply waits for it, off the read path.
+
+Bulk traffic comes batched: `kv.get.run` answers a prefix run with as many blocks as one reply carries, and
+`kv.put.batch` stores many blocks per message; clients keep a bounded number of them in flight (kvclient.py).
 
 Instances in the `kvcache` queue group each own their store; run one per state directory.
 """
@@ -38,9 +43,13 @@ from shared.schemas.kv import (
     KvDeleteReply,
     KvGet,
     KvGetReply,
+    KvGetRun,
+    KvGetRunReply,
     KvLookup,
     KvLookupReply,
     KvPut,
+    KvPutBatch,
+    KvPutBatchReply,
     KvPutReply,
     KvStats,
     KvStatsReply,
@@ -80,6 +89,8 @@ class KvCacheService:
             await bus.serve(subjects.KV_LOOKUP, KvLookup, self._lookup, queue=group),
             await bus.serve(subjects.KV_GET, KvGet, self._get, queue=group),
             await bus.serve(subjects.KV_PUT, KvPut, self._put, queue=group),
+            await bus.serve(subjects.KV_GET_RUN, KvGetRun, self._get_run, queue=group),
+            await bus.serve(subjects.KV_PUT_BATCH, KvPutBatch, self._put_batch, queue=group),
             await bus.serve(subjects.KV_DELETE, KvDelete, self._delete, queue=group),
             await bus.serve(subjects.KV_STATS, KvStats, self._stats),  # every instance answers for itself
         ]
@@ -102,6 +113,8 @@ class KvCacheService:
     def health(self) -> tuple[bool, str]:
         if self.store is None:
             return False, "store not open"
+        if not self._subs:  # set once every subject is subscribed: ready means every request has a responder
+            return False, "subscribing"
         # Counters are plain ints written by the I/O thread; a slightly torn snapshot is fine for a report.
         return True, orjson.dumps(self.store.stats()).decode()
 
@@ -109,7 +122,9 @@ class KvCacheService:
 
     async def _lookup(self, req: KvLookup) -> KvLookupReply:
         assert self.store is not None
-        run = await self._run(self.store.lookup, req.hashes, req.lease_s)
+        run = self.store.hot_lookup(req.hashes, req.lease_s)  # all in RAM: no wait behind the disk
+        if run is None:
+            run = await self._run(self.store.lookup, req.hashes, req.lease_s)
         return KvLookupReply(
             hits=run.hits,
             ram_hits=run.by_tier.get("ram", 0),
@@ -122,9 +137,38 @@ class KvCacheService:
         assert self.store is not None
         return KvGetReply(blobs=self._fit(await self._run(self.store.get, req.keys)))
 
-    async def _put(self, req: KvPut) -> KvPutReply:
+    async def _get_run(self, req: KvGetRun) -> KvGetRunReply:
         assert self.store is not None
-        return KvPutReply(stored=await self._run(self.store.put, req.key, req.data, req.ttl_s))
+        store, hard = self.store, self._max_reply
+        limit = min(req.max_bytes, hard) if req.max_bytes > 0 else hard
+        run, at_miss = store.hot_run(req.keys, limit, hard)
+        if at_miss:  # RAM lacks the next key: the disk tiers may have it (and the run's rest)
+            used = sum(map(len, run))
+            more, at_miss = await self._run(store.read_run, req.keys[len(run) :], limit - used,
+                                            limit - used if run else hard)
+            run += more
+        return KvGetRunReply(blobs=run, ended=at_miss)
+
+    async def _put(self, req: KvPut) -> KvPutReply:
+        (stored,) = await self._store([req.key], [req.data], req.ttl_s)
+        return KvPutReply(stored=stored)
+
+    async def _put_batch(self, req: KvPutBatch) -> KvPutBatchReply:
+        if len(req.keys) != len(req.blobs):
+            log.warning("kv.put.batch with %d keys and %d blobs: refused", len(req.keys), len(req.blobs))
+            return KvPutBatchReply(stored=[False] * len(req.keys))
+        return KvPutBatchReply(stored=await self._store(req.keys, req.blobs, req.ttl_s))
+
+    async def _store(self, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> list[bool]:
+        """RAM copies now, on the loop (readable at once), then the home tiers' writes on the I/O thread."""
+        assert self.store is not None
+        store = self.store
+        expiries = [store.put_hot(key, blob, ttl_s) for key, blob in zip(keys, blobs)]
+
+        def write_home() -> list[bool]:
+            return [e is not None and store.put_home(k, b, e) for k, b, e in zip(keys, blobs, expiries)]
+
+        return await self._run(write_home)
 
     async def _delete(self, req: KvDelete) -> KvDeleteReply:
         assert self.store is not None

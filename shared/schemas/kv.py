@@ -46,6 +46,34 @@ class KvPutReply:
 
 
 @dataclass(frozen=True)
+class KvGetRun:
+    """The leading run of `keys`, as much of it as one reply carries (the bus's payload limit)."""
+
+    keys: list[bytes]
+    max_bytes: int = 0  # the reply's blobs in all at most this (0: the payload limit); the first blob may exceed it
+
+
+@dataclass(frozen=True)
+class KvGetRunReply:
+    blobs: list[bytes]  # the blobs of keys[0 : len(blobs)], all present
+    ended: bool  # True: keys[len(blobs)] is absent (the run ends there); False: the reply was full, or all were sent
+
+
+@dataclass(frozen=True)
+class KvPutBatch:
+    """Many entries in one message (at most the bus's payload limit in all), all with the same TTL."""
+
+    keys: list[bytes]
+    blobs: list[bytes]  # one per key
+    ttl_s: float = 0.0  # 0 = long-term (no expiry)
+
+
+@dataclass(frozen=True)
+class KvPutBatchReply:
+    stored: list[bool]  # one per key: True when its home tier stored it
+
+
+@dataclass(frozen=True)
 class KvDelete:
     keys: list[bytes]
 

@@ -165,12 +165,12 @@ def test_the_listener_hears_long_term_keys_come_and_go(tmp_path: Path) -> None:
     store.put(b"tail:x", b"t", ttl_s=10)  # short-term: not reported
     store.put(b, blob(1))
     store.delete([a])
-    assert heard.events == [
-        ("stored", "ssd", [a]),
+    assert heard.events == [  # a put makes its RAM copy first (readable at once), then writes its home tier
         ("stored", "ram", [a]),
+        ("stored", "ssd", [a]),
         ("removed", "ram", [a]),  # b's RAM copy took its room
-        ("stored", "ssd", [b]),
         ("stored", "ram", [b]),
+        ("stored", "ssd", [b]),
         ("removed", "ssd", [a]),
     ]
     assert store.long_term_keys() == {"ram": [b], "lmdb": [], "ssd": [b]}
