@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from shared import short_term, subjects
 from shared.bus import Bus, Envelope, WorkQueue
 from shared.config import ServiceConfig
@@ -77,6 +79,7 @@ class EngineWorker(ABC):
         self.model_name = resolve(config.model).name
         self.bus: Bus | None = None
         self.kv: KvClient | None = None
+        self._kv_bus: Bus | None = None  # the KV store's own connection (see start)
         self.engine: AsyncEngine | None = None
         self.active: set[str] = set()
         self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
@@ -89,16 +92,23 @@ class EngineWorker(ABC):
 
     async def start(self, bus: Bus) -> None:
         self.bus = bus
-        self.kv = KvClient(bus)
+        # KV blocks ride their own connection: a burst of megabytes to the store never delays a heartbeat (the
+        # balancer drops a worker silent for 3 s), a token or a work message's ack on `bus`.
+        self._kv_bus = await bus.sibling("kv")
+        self.kv = KvClient(self._kv_bus)
         self._tasks.append(asyncio.create_task(self._load_then_serve()))
 
     def health(self) -> tuple[bool, str]:
+        """Not ready: what it is doing (loading the model). Ready: a JSON report, with what this worker saw of
+        the KV store (blocks put and got, puts that failed, gets and lookups that failed)."""
         ready = self.engine is not None and self._queue is not None
-        if ready and self.engine is not None and self.worker.speculative_tokens:
+        if not ready or self.engine is None:
+            return False, self._status
+        detail: dict[str, Any] = {"status": self._status, "kv": dict(self.kv.counts) if self.kv else {}}
+        if self.worker.speculative_tokens:
             stats = self.engine.engine.stats()
-            rate = stats.accepted / stats.drafted if stats.drafted else 0.0
-            return True, f"{self._status}; MTP drafts {stats.drafted}, accepted {stats.accepted} ({rate:.0%})"
-        return ready, self._status
+            detail["mtp"] = {"drafted": stats.drafted, "accepted": stats.accepted}
+        return True, orjson.dumps(detail).decode()
 
     async def stop(self) -> None:
         if self._queue is not None:
@@ -111,6 +121,8 @@ class EngineWorker(ABC):
             await self.engine.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
+        if self._kv_bus is not None:
+            await self._kv_bus.drain()
 
     # --- internals ----------------------------------------------------------------------------------------------
 
