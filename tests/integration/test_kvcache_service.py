@@ -125,3 +125,32 @@ async def test_lookup_reports_the_tier_split_and_leases_the_run(nats_url: str, t
         assert "deepinfer_kvcache_up 0" in kv_metrics.render(None)
     finally:
         await bus.drain()
+
+
+async def test_runs_past_the_pending_limit_move_in_batches_in_order(nats_server, tmp_path: Path) -> None:
+    """48 MiB of blocks, more than the 32 MiB the server lets one connection have pending: batched puts and
+    pipelined gets with a bounded window get every block there and back in order, with no slow consumer; a
+    hole ends the run; blobs of mixed sizes (replies that fill up early) still come back whole."""
+    config = KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20, ram_bytes=96 << 20,
+                           ssd_bytes=256 << 20, instance="kv-batch")
+    service = KvCacheService(config)
+    bus = await Bus.connect(nats_server.url, "kvcache-batch")
+    try:
+        await service.start(bus)
+        client = KvClient(bus, message_bytes=3 * BLOCK * 4, window_bytes=2 * 3 * BLOCK * 4)
+        big = 4 * BLOCK  # 1 MiB blocks, 3 a message, 2 messages in flight
+        hashes = hashing.block_hashes(list(range(49 * hashing.BLOCK_TOKENS)), hashing.namespace("batch"))
+        blobs = [bytes([i]) * big for i in range(48)]
+        assert await client.put_many(list(zip(hashes, blobs)))
+        assert client.counts["blocks_put"] == 48 and client.counts["puts_failed"] == 0
+        assert await client.get_run(hashes) == blobs  # hashes[48] was never stored
+        assert await client.get_run(hashes[:20] + hashes[48:] + hashes[20:]) == blobs[:20]
+
+        mixed = [bytes([i]) * (2 * big if i > 10 and i % 2 else BLOCK // 4) for i in range(30)]  # later replies fill up early
+        keys = hashing.block_hashes(list(range(30 * hashing.BLOCK_TOKENS)), hashing.namespace("mixed"))
+        assert await client.put_many(list(zip(keys, mixed)))
+        assert await client.get_run(keys) == mixed
+        assert "Slow Consumer" not in (nats_server.store_dir.parent / "nats.log").read_text(errors="replace")
+    finally:
+        await service.stop()
+        await bus.drain()
