@@ -262,7 +262,9 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
     bus = await Bus.connect(server.url, "bench")
     try:
         await wait_ready(bus)
-        kv = KvClient(bus, message_bytes=int(args.message_mib * MiB), window_bytes=int(args.window_mib * MiB))
+        sizes = {k: int(v * MiB) for k, v in (("message_bytes", args.message_mib), ("window_bytes", args.window_mib))
+                 if v is not None}  # only when asked: the client before batching took neither
+        kv = KvClient(bus, **sizes)
         rows = []
         for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens)):
             if tokens:
@@ -318,8 +320,8 @@ def main() -> None:
     parser.add_argument("--llama-tokens", type=int, default=8192, help="prompt length, Llama layout (0: skip)")
     parser.add_argument("--v4-tokens", type=int, default=77824, help="prompt length, V4 layout (0: skip)")
     parser.add_argument("--repeat", type=int, default=5, help="one-block latencies: median of this many")
-    parser.add_argument("--message-mib", type=float, default=4, help="KvClient: blobs per batch message, MiB")
-    parser.add_argument("--window-mib", type=float, default=8, help="KvClient: batches in flight, MiB")
+    parser.add_argument("--message-mib", type=float, default=None, help="KvClient: blobs per batch message, MiB")
+    parser.add_argument("--window-mib", type=float, default=None, help="KvClient: batches in flight, MiB")
     parser.add_argument("--ram-mib", type=int, default=1536, help="the store's RAM tier, MiB")
     parser.add_argument("--dir", type=Path, default=None, help="where the store and the disk probe write")
     parser.add_argument("--label", default="", help="a name for this run in the output (before / after)")
