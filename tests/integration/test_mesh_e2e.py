@@ -160,8 +160,10 @@ def _reports(mesh: Mesh) -> dict[str, int]:
 
 
 def test_a_prompt_of_thousands_of_tokens_crosses_the_store_whole(oai: openai.OpenAI, mesh: Mesh) -> None:
-    """Issue 11's CPU target: ~3,700 tokens of float32 KV (232 blocks, 171 MB) go prefill -> kvcache -> decode with
-    no slow-consumer disconnect, no failed put, no prompt token recomputed at decode, no worker dropped."""
+    """Issue 11's CPU target: ~3,800 tokens of float32 KV (240 blocks of 737 KB, 178 MB) go prefill -> kvcache ->
+    decode with no slow-consumer disconnect, no failed put, no prompt token recomputed at decode, no worker
+    dropped. (Before batching this broke from about 700 tokens on. A prompt near the 8K context takes minutes of
+    CPU prefill on a busy CI machine; bench/kv_path.py runs the store path at 8K instead.)"""
     before = _reports(mesh)
     story = " ".join(f"Line {i}: the lighthouse keeper counted {i * 7} ships." for i in range(240))
     reply = oai.chat.completions.create(
@@ -171,7 +173,8 @@ def test_a_prompt_of_thousands_of_tokens_crosses_the_store_whole(oai: openai.Ope
     prompt = reply.usage.prompt_tokens
     assert 3000 < prompt < 8192 and reply.choices[0].finish_reason in ("stop", "length")
     delta = {k: after[k] - before[k] for k in after}
-    assert delta["blocks_put"] >= prompt // 16 - 1, delta  # prefill stored the prompt's full blocks...
+    # prefill stored the prompt's full blocks (but a few of the preamble that earlier prompts stored already)...
+    assert delta["blocks_put"] >= prompt // 16 - 4, delta
     assert delta["blocks_got"] >= prompt // 16, delta  # ...and decode got every one of them back
     assert delta["puts_failed"] == delta["gets_failed"] == 0, delta
     assert delta["recomputing"] == 0, delta
