@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import nats
 import numpy as np
@@ -66,7 +67,7 @@ CHUNK = 8 * MiB
 INSTANCE = "kvcache-bench"
 
 
-class Cache:
+class Cache(Protocol):
     """What the bench needs of an engine's cache: blocks out as blobs, blobs in as blocks."""
 
     block_bytes: int
@@ -293,7 +294,8 @@ def table(rows: list[Row], slow: int) -> str:
         lines.append(
             f"| {r.layout} | {r.tokens} | {r.blocks} | {r.nbytes / 1e6:,.0f} | {rate(r.nbytes, r.memcpy_s)} "
             f"| {rate(r.nbytes, r.disk_write_s)} | {rate(r.nbytes, r.disk_read_s)} | {rate(r.nbytes, r.nats_s)} "
-            f"| {r.put_s * 1e3:,.0f} ms ({rate(r.nbytes, r.put_s)}) | {r.get_s * 1e3:,.0f} ms ({rate(r.nbytes, r.get_s)}) "
+            f"| {r.put_s * 1e3:,.0f} ms ({rate(r.nbytes, r.put_s)}) "
+            f"| {r.get_s * 1e3:,.0f} ms ({rate(r.nbytes, r.get_s)}) "
             f"| {r.handover_s * 1e3:,.0f} ms ({rate(r.nbytes, r.handover_s)}) | {r.handover_s / r.memcpy_s:,.0f}x "
             f"| {r.handover_s / r.nats_s:,.1f}x "
             f"| {r.one_put_s * 1e3:.1f} ms | {r.one_get_s * 1e3:.1f} ms | {r.failed_puts} | {r.missing_gets} |"
@@ -312,7 +314,8 @@ def hardware() -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, torch {torch.__version__}"
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
 
 
 def main() -> None:

@@ -78,3 +78,20 @@ async def test_work_queue_ack_retry_reject(nats_url: str) -> None:
     assert attempts == {1: 1, 2: 2, 3: 1}
     trace_id = format(root.get_span_context().trace_id, "032x")
     assert all(trace_id in p for p in parents)
+
+
+async def test_a_sibling_is_a_connection_of_its_own(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "t-main")
+    sibling = await bus.sibling("kv")
+    try:
+        async def double(p: Ping) -> Pong:
+            return Pong(p.n * 2)
+
+        await bus.serve("t.sibling", Ping, double)
+        assert await sibling.request("t.sibling", Ping(4), Pong) == Pong(8)  # same server, same subjects
+        await sibling.drain()
+        assert not sibling.connected and bus.connected  # closing one leaves the other up
+        assert await bus.request("t.sibling", Ping(5), Pong) == Pong(10)
+    finally:
+        await sibling.drain()
+        await bus.drain()

@@ -146,7 +146,8 @@ async def test_runs_past_the_pending_limit_move_in_batches_in_order(nats_server,
         assert await client.get_run(hashes) == blobs  # hashes[48] was never stored
         assert await client.get_run(hashes[:20] + hashes[48:] + hashes[20:]) == blobs[:20]
 
-        mixed = [bytes([i]) * (2 * big if i > 10 and i % 2 else BLOCK // 4) for i in range(30)]  # later replies fill up early
+        # small blobs first, then big ones too: the first reply carries many, later ones fill up early
+        mixed = [bytes([i]) * (2 * big if i > 10 and i % 2 else BLOCK // 4) for i in range(30)]
         keys = hashing.block_hashes(list(range(30 * hashing.BLOCK_TOKENS)), hashing.namespace("mixed"))
         assert await client.put_many(list(zip(keys, mixed)))
         assert await client.get_run(keys) == mixed
