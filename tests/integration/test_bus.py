@@ -88,6 +88,7 @@ async def test_a_sibling_is_a_connection_of_its_own(nats_url: str) -> None:
             return Pong(p.n * 2)
 
         await bus.serve("t.sibling", Ping, double)
+        assert await bus.request("t.sibling", Ping(3), Pong) == Pong(6)  # a round trip: the server has the SUB
         assert await sibling.request("t.sibling", Ping(4), Pong) == Pong(8)  # same server, same subjects
         await sibling.drain()
         assert not sibling.connected and bus.connected  # closing one leaves the other up
