@@ -161,8 +161,11 @@ class KvStore:
             tier.on_removed = functools.partial(listener.removed, tier.name)
 
     def long_term_keys(self) -> dict[str, list[bytes]]:
-        with self._hot:
-            return {tier.name: tier.long_term_keys() for tier in self._read_order}
+        out = {}
+        for tier in self._read_order:
+            with self._hot if tier is self._ram else _NO_LOCK:  # never hold the loop's lock over a disk index
+                out[tier.name] = tier.long_term_keys()
+        return out
 
     @property
     def tiers(self) -> list[Tier]:
