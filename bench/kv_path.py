@@ -1,6 +1,6 @@
 """The KV data plane, prefill -> kvcache -> decode, against the host's own ceilings measured in the same run.
 
-    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--repeat 5] [--out results.md]
+    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--transport nats|shm] [--out results.md]
 
 Real parts: a private nats-server (the launcher's config: 8 MiB payloads, 32 MiB pending per connection), the
 kvcache service as its own process (`python -m services.kvcache`, RAM + SSD tiers under a temp dir), the
@@ -265,12 +265,19 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
         await wait_ready(bus)
         sizes = {k: int(v * MiB) for k, v in (("message_bytes", args.message_mib), ("window_bytes", args.window_mib))
                  if v is not None}  # only when asked: the client before batching took neither
-        kv = KvClient(bus, **sizes)
+        if args.transport != "nats":
+            from shared.kvclient import open_client
+
+            kv = open_client(bus, args.transport, "bench", **sizes)
+        else:
+            kv = KvClient(bus, **sizes)
         rows = []
         for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens)):
             if tokens:
                 rows.append(await store_path(kv, server.url, layout, tokens, args.repeat, work))
                 print(f"  {layout} {tokens} tokens done", file=sys.stderr, flush=True)
+        if getattr(kv, "arena", None) is not None:
+            kv.arena.close()
     finally:
         await bus.drain()
         kvcache.terminate()
@@ -325,6 +332,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="one-block latencies: median of this many")
     parser.add_argument("--message-mib", type=float, default=None, help="KvClient: blobs per batch message, MiB")
     parser.add_argument("--window-mib", type=float, default=None, help="KvClient: batches in flight, MiB")
+    parser.add_argument("--transport", default="nats", help="KV bytes over nats, or shm (shared memory)")
     parser.add_argument("--ram-mib", type=int, default=1536, help="the store's RAM tier, MiB")
     parser.add_argument("--dir", type=Path, default=None, help="where the store and the disk probe write")
     parser.add_argument("--label", default="", help="a name for this run in the output (before / after)")

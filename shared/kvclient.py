@@ -8,6 +8,10 @@ each carrying as many blocks as fit `message_bytes`, with at most `window_bytes`
 order. The bound is what keeps the mesh alive: nats-server lets one connection have 32 MiB pending (4 x the
 payload limit), and a burst past it (one request per block, all at once) gets the kvcache service cut off as a
 slow consumer.
+
+With an `Arena` (shared/kv_arena.py: the worker and the store on one host) the same batches carry only keys and
+lengths; the bytes go through shared memory. The first reply that says the store cannot map the arena (another
+host) turns it off for good, and the bytes go over NATS again.
 """
 
 from __future__ import annotations
@@ -23,15 +27,19 @@ from typing import TypeVar
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
+from shared.kv_arena import Arena, arena_path, remove_stale
 from shared.schemas.kv import (
     KvGet,
     KvGetReply,
     KvGetRun,
     KvGetRunReply,
+    KvGetRunShm,
     KvLookup,
     KvLookupReply,
     KvPutBatch,
     KvPutBatchReply,
+    KvPutShm,
+    KvShmReply,
     KvStats,
     KvStatsReply,
 )
@@ -46,16 +54,40 @@ MESSAGE_OVERHEAD = 64 * 1024  # keys, msgpack framing and trace headers around a
 MiB = 1 << 20
 
 
+def _no_arena(instance: str, slots: int, slot_bytes: int) -> Arena | None:
+    return None
+
+
+def _shm_arena(instance: str, slots: int, slot_bytes: int) -> Arena | None:
+    remove_stale(instance)  # what a crashed predecessor left in /dev/shm
+    return Arena(arena_path(instance), slots, slot_bytes)
+
+
+# How KV bytes travel, by name (--kv-transport). An RDMA library (NIXL, Mooncake's transfer engine) would be one
+# more entry: a factory for an object with the Arena's take / give / lose / write / read, where installed.
+TRANSPORTS: dict[str, Callable[[str, int, int], Arena | None]] = {"nats": _no_arena, "shm": _shm_arena}
+
+
+def open_client(bus: Bus, transport: str, instance: str, *, message_bytes: int = 4 * MiB,
+                window_bytes: int = 8 * MiB) -> KvClient:
+    """A worker's client, its bytes over `transport` (a key of TRANSPORTS)."""
+    message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
+    arena = TRANSPORTS[transport](instance, window_bytes // message_bytes + 1, message_bytes)
+    return KvClient(bus, message_bytes=message_bytes, window_bytes=window_bytes, arena=arena)
+
+
 class KvClient:
-    def __init__(self, bus: Bus, timeout: float = 5.0, *, message_bytes: int = 4 * MiB, window_bytes: int = 8 * MiB
-                 ) -> None:
+    def __init__(self, bus: Bus, timeout: float = 5.0, *, message_bytes: int = 4 * MiB, window_bytes: int = 8 * MiB,
+                 arena: Arena | None = None) -> None:
         """message_bytes: blobs per batch message, in bytes (a bigger blob goes alone); window_bytes: batches in
         flight at once, in bytes (at least one): keep it well under the server's 32 MiB per connection, for
-        several workers may write to one kvcache instance at once."""
+        several workers may write to one kvcache instance at once. arena: move the bytes through it (its slots
+        should be `message_bytes` and number window_bytes // message_bytes + 1)."""
         self._bus = bus
         self._timeout = timeout
         self._message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
         self._window_bytes = window_bytes
+        self.arena = arena
         # what this worker saw of the store, for its health report: blocks put / not stored, gets that failed
         self.counts: Counter[str] = Counter()
 
@@ -176,6 +208,10 @@ class KvClient:
                 task.cancel()
 
     async def _get_chunk(self, keys: Sequence[bytes]) -> KvGetRunReply | None:
+        if self.arena is not None:
+            reply = await self._get_shm(self.arena, keys)
+            if reply is not False:
+                return reply
         try:
             return await self._bus.request(
                 subjects.KV_GET_RUN, KvGetRun(list(keys), self._message_bytes), KvGetRunReply, timeout=self._timeout
@@ -188,6 +224,10 @@ class KvClient:
     async def _put_batch(self, batch: list[tuple[bytes, bytes]], ttl_s: float) -> int:
         """How many of `batch` the store stored (0 when it did not answer)."""
         keys, blobs = [k for k, _ in batch], [b for _, b in batch]
+        if self.arena is not None:
+            stored = await self._put_shm(self.arena, keys, blobs, ttl_s)
+            if stored is not None:
+                return stored
         try:
             reply = await self._bus.request(
                 subjects.KV_PUT_BATCH, KvPutBatch(keys, blobs, ttl_s), KvPutBatchReply, timeout=self._timeout
@@ -196,6 +236,55 @@ class KvClient:
             log.warning("kv put failed: %s", exc)
             return 0
         return sum(reply.stored)
+
+    # --- the shared-memory path: False / None = not taken, send over NATS -------------------------------------
+
+    async def _get_shm(self, arena: Arena, keys: Sequence[bytes]) -> KvGetRunReply | None | bool:
+        offset = arena.take()
+        if offset is None:
+            return False
+        request = KvGetRunShm(list(keys), str(arena.path), arena.token, offset, arena.slot_bytes)
+        reply = await self._shm_request(arena, offset, subjects.KV_GET_SHM, request)
+        if reply is None:
+            self.counts["gets_failed"] += 1
+            return None
+        try:
+            if not reply.mapped or not (reply.lengths or reply.ended):
+                return False  # not mapped, or the next blob is bigger than a slot: that one goes over NATS
+            self.counts["blocks_via_shm"] += len(reply.lengths)
+            return KvGetRunReply(arena.read(offset, reply.lengths), reply.ended)
+        finally:
+            arena.give(offset)
+
+    async def _put_shm(self, arena: Arena, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> int | None:
+        if sum(map(len, blobs)) > arena.slot_bytes or (offset := arena.take()) is None:
+            return None
+        lengths = arena.write(offset, blobs)
+        request = KvPutShm(keys, lengths, str(arena.path), arena.token, offset, ttl_s)
+        reply = await self._shm_request(arena, offset, subjects.KV_PUT_SHM, request)
+        if reply is None:
+            return 0
+        arena.give(offset)
+        if not reply.mapped:
+            return None
+        self.counts["blocks_via_shm"] += len(keys)
+        return sum(reply.stored)
+
+    async def _shm_request(self, arena: Arena, offset: int, subject: str, request: object) -> KvShmReply | None:
+        """The store's reply; None on a timeout (the slot is retired: the store may write into it yet). A store
+        that cannot map the arena turns the shared-memory path off for this client."""
+        try:
+            reply = await self._bus.request(subject, request, KvShmReply, timeout=self._timeout)
+        except BusTimeout as exc:
+            log.warning("kv %s failed: %s", subject, exc)
+            arena.lose(offset)
+            return None
+        if not reply.mapped and self.arena is arena:
+            log.warning("the kvcache service cannot map %s (another host?): KV bytes go over NATS", arena.path)
+            self.arena = None
+            self.counts["arena_refused"] += 1
+        return reply
+
 
 
 # --- big short-term blobs, in parts ---------------------------------------------------------------------------

@@ -34,6 +34,8 @@ KV_GET = "kv.get"
 KV_PUT = "kv.put"
 KV_GET_RUN = "kv.get.run"  # KvGetRun -> KvGetRunReply: a prefix run, many blocks per message
 KV_PUT_BATCH = "kv.put.batch"  # KvPutBatch -> KvPutBatchReply: many blocks per message
+KV_GET_SHM = "kv.get.shm"  # KvGetRunShm -> KvShmReply: kv.get.run, the bytes through the caller's shared memory
+KV_PUT_SHM = "kv.put.shm"  # KvPutShm -> KvShmReply: kv.put.batch, the bytes through the caller's shared memory
 KV_DELETE = "kv.delete"
 KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
 

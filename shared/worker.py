@@ -26,7 +26,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.device import default_device
 from shared.engine.engine import Engine
 from shared.kv_events import EventPublisher
-from shared.kvclient import KvClient
+from shared.kvclient import TRANSPORTS, KvClient, open_client
 from shared.models import resolve
 from shared.schemas.events import TIER_LOCAL
 from shared.schemas.generate import Cancel, TokenEvent
@@ -46,10 +46,13 @@ class WorkerConfig:
     max_batch_tokens: int
     max_running: int
     speculative_tokens: int = 0
+    kv_transport: str = "nats"  # how KV bytes reach the kvcache service: shared/kvclient.py TRANSPORTS
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("--max-batch-tokens and --max-running must be positive")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"--kv-transport must be one of {sorted(TRANSPORTS)}")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
 
@@ -61,11 +64,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=64, help="requests held at once")
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
+    parser.add_argument("--kv-transport", default=os.environ.get("DEEPINFER_KV_TRANSPORT", "nats"),
+                        help=f"how KV bytes reach the kvcache service: {' | '.join(TRANSPORTS)} (shm: shared "
+                             "memory, worker and kvcache on one host; falls back to nats when the store cannot map it)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
-                        args.speculative_tokens)
+                        args.speculative_tokens, args.kv_transport)
 
 
 class EngineWorker(ABC):
@@ -95,7 +101,7 @@ class EngineWorker(ABC):
         # KV blocks ride their own connection: a burst of megabytes to the store never delays a heartbeat (the
         # balancer drops a worker silent for 3 s), a token or a work message's ack on `bus`.
         self._kv_bus = await bus.sibling("kv")
-        self.kv = KvClient(self._kv_bus)
+        self.kv = open_client(self._kv_bus, self.worker.kv_transport, self.config.instance)
         self._tasks.append(asyncio.create_task(self._load_then_serve()))
 
     def health(self) -> tuple[bool, str]:
@@ -123,6 +129,8 @@ class EngineWorker(ABC):
             await self.kv_events.close()
         if self._kv_bus is not None:
             await self._kv_bus.drain()
+        if self.kv is not None and self.kv.arena is not None:
+            self.kv.arena.close()
 
     # --- internals ----------------------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from services.kvcache.tiers.ram import RamTier
 from services.kvcache.tiers.ssd import SsdTier
 from shared import subjects
 from shared.bus import Bus
+from shared.kv_arena import ArenaMaps
 from shared.kv_events import EventPublisher
 from shared.schemas.kv import (
     KvDelete,
@@ -45,12 +46,15 @@ from shared.schemas.kv import (
     KvGetReply,
     KvGetRun,
     KvGetRunReply,
+    KvGetRunShm,
     KvLookup,
     KvLookupReply,
     KvPut,
     KvPutBatch,
     KvPutBatchReply,
     KvPutReply,
+    KvPutShm,
+    KvShmReply,
     KvStats,
     KvStatsReply,
     KvTierStats,
@@ -74,6 +78,7 @@ class KvCacheService:
         self._sweeper: asyncio.Task[None] | None = None
         self._max_reply = 0
         self.events: EventPublisher | None = None
+        self._arenas = ArenaMaps()  # same-host workers' shared memory (shared/kv_arena.py)
 
     # --- Service protocol --------------------------------------------------------------------------------------
 
@@ -91,6 +96,8 @@ class KvCacheService:
             await bus.serve(subjects.KV_PUT, KvPut, self._put, queue=group),
             await bus.serve(subjects.KV_GET_RUN, KvGetRun, self._get_run, queue=group),
             await bus.serve(subjects.KV_PUT_BATCH, KvPutBatch, self._put_batch, queue=group),
+            await bus.serve(subjects.KV_GET_SHM, KvGetRunShm, self._get_shm, queue=group),
+            await bus.serve(subjects.KV_PUT_SHM, KvPutShm, self._put_shm, queue=group),
             await bus.serve(subjects.KV_DELETE, KvDelete, self._delete, queue=group),
             await bus.serve(subjects.KV_STATS, KvStats, self._stats),  # every instance answers for itself
         ]
@@ -109,6 +116,7 @@ class KvCacheService:
             await self._run(self.store.close)
             self.store = None
         self._io.shutdown(wait=True)
+        self._arenas.close()
 
     def health(self) -> tuple[bool, str]:
         if self.store is None:
@@ -138,16 +146,46 @@ class KvCacheService:
         return KvGetReply(blobs=self._fit(await self._run(self.store.get, req.keys)))
 
     async def _get_run(self, req: KvGetRun) -> KvGetRunReply:
-        assert self.store is not None
-        store, hard = self.store, self._max_reply
+        hard = self._max_reply
         limit = min(req.max_bytes, hard) if req.max_bytes > 0 else hard
-        run, at_miss = store.hot_run(req.keys, limit, hard)
+        run, at_miss = await self._read_run(req.keys, limit, hard)
+        return KvGetRunReply(blobs=run, ended=at_miss)
+
+    async def _get_shm(self, req: KvGetRunShm) -> KvShmReply:
+        arena = self._arenas.get(req.arena, req.token)
+        if arena is None or not 0 < req.offset <= len(arena) - req.capacity:
+            return KvShmReply(mapped=False)
+        run, at_miss = await self._read_run(req.keys, req.capacity, req.capacity)
+        at = req.offset
+        for blob in run:
+            arena[at : at + len(blob)] = blob
+            at += len(blob)
+        return KvShmReply(mapped=True, lengths=[len(b) for b in run], ended=at_miss)
+
+    async def _read_run(self, keys: list[bytes], limit: int, first: int) -> tuple[list[bytes], bool]:
+        """The leading run of `keys` within `limit` bytes (the first blob within `first`): RAM's part on the loop,
+        the rest from the disk tiers on the I/O thread. True when it ended at an absent key."""
+        assert self.store is not None
+        store = self.store
+        run, at_miss = store.hot_run(keys, limit, first)
         if at_miss:  # RAM lacks the next key: the disk tiers may have it (and the run's rest)
             used = sum(map(len, run))
-            more, at_miss = await self._run(store.read_run, req.keys[len(run) :], limit - used,
-                                            limit - used if run else hard)
+            more, at_miss = await self._run(store.read_run, keys[len(run) :], limit - used,
+                                            limit - used if run else first)
             run += more
-        return KvGetRunReply(blobs=run, ended=at_miss)
+        return run, at_miss
+
+    async def _put_shm(self, req: KvPutShm) -> KvShmReply:
+        arena = self._arenas.get(req.arena, req.token)
+        end = req.offset + sum(req.lengths)
+        if (arena is None or len(req.lengths) != len(req.keys) or min(req.lengths, default=0) < 0
+                or not 0 < req.offset <= end <= len(arena)):
+            return KvShmReply(mapped=False)
+        blobs, at = [], req.offset
+        for n in req.lengths:
+            blobs.append(arena[at : at + n])  # a copy: the slot goes back to the worker with the reply
+            at += n
+        return KvShmReply(mapped=True, stored=await self._store(req.keys, blobs, req.ttl_s))
 
     async def _put(self, req: KvPut) -> KvPutReply:
         (stored,) = await self._store([req.key], [req.data], req.ttl_s)

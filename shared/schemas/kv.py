@@ -74,6 +74,38 @@ class KvPutBatchReply:
 
 
 @dataclass(frozen=True)
+class KvPutShm:
+    """`kv.put.batch` with the blobs in the sender's shared-memory arena (shared/kv_arena.py), one after another
+    from `offset`."""
+
+    keys: list[bytes]
+    lengths: list[int]  # one per key
+    arena: str  # the arena's path
+    token: bytes  # the arena's token: proves the store maps the same file (same host)
+    offset: int
+    ttl_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KvGetRunShm:
+    """`kv.get.run` with the blobs written into the sender's arena at `offset`, at most `capacity` bytes."""
+
+    keys: list[bytes]
+    arena: str
+    token: bytes
+    offset: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class KvShmReply:
+    mapped: bool  # False: the store cannot map that arena (another host): send the bytes over NATS instead
+    stored: list[bool] = field(default_factory=list)  # a put's: one per key
+    lengths: list[int] = field(default_factory=list)  # a get's: the run's blobs, one after another at offset
+    ended: bool = False  # a get's: as KvGetRunReply.ended
+
+
+@dataclass(frozen=True)
 class KvDelete:
     keys: list[bytes]
 

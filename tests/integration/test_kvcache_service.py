@@ -4,6 +4,7 @@ the gateway's /metrics rendering of them."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import orjson
@@ -13,7 +14,7 @@ from services.kvcache.config import KvCacheConfig
 from services.kvcache.service import KvCacheService
 from shared import hashing, subjects
 from shared.bus import Bus
-from shared.kvclient import KvClient
+from shared.kvclient import KvClient, open_client
 from shared.schemas.kv import (
     KvDelete,
     KvDeleteReply,
@@ -155,3 +156,36 @@ async def test_runs_past_the_pending_limit_move_in_batches_in_order(nats_server,
     finally:
         await service.stop()
         await bus.drain()
+
+
+async def test_same_host_workers_move_the_bytes_through_shared_memory(nats_url: str, tmp_path: Path) -> None:
+    """The shm transport: blocks there and back through the worker's arena, NATS carrying lengths only; a blob
+    bigger than a slot goes over NATS; a store that cannot map the arena turns the path off, and nothing is lost."""
+    service = KvCacheService(KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20,
+                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, instance="kv-shm"))
+    bus = await Bus.connect(nats_url, "kvcache-shm")
+    client = open_client(bus, "shm", f"test-{os.getpid()}", message_bytes=4 * BLOCK, window_bytes=8 * BLOCK)
+    arena = client.arena
+    try:
+        await service.start(bus)
+        assert arena is not None and arena.path.exists()
+        hashes = hashing.block_hashes(list(range(21 * hashing.BLOCK_TOKENS)), hashing.namespace("shm"))
+        blobs = [bytes([i]) * BLOCK for i in range(20)]
+        assert await client.put_many(list(zip(hashes, blobs)))
+        assert await client.get_run(hashes) == blobs
+        assert client.counts["blocks_via_shm"] == 40  # 20 put, 20 got
+        big = (b"part", b"p" * (6 * BLOCK))  # bigger than a slot: over NATS, both ways
+        assert await client.put_many([big], ttl_s=60.0) and await client.get_run([big[0]]) == [big[1]]
+        assert client.arena is arena and arena.lost == 0 and client.counts["puts_failed"] == 0
+        assert client.counts["blocks_via_shm"] == 40
+
+        arena.token = b"another host...."  # what a store elsewhere sees: no such arena, or not this one
+        more = [(b"after-%d" % i, bytes([i]) * BLOCK) for i in range(3)]
+        assert await client.put_many(more)
+        assert client.arena is None and client.counts["arena_refused"] == 1
+        assert await client.get_run([k for k, _ in more]) == [b for _, b in more]
+    finally:
+        await service.stop()
+        await bus.drain()
+        arena.close()
+    assert not arena.path.exists()
