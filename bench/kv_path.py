@@ -11,7 +11,7 @@ workers' KvClient on its own connection, and the engines' own caches for export 
     v4      V4-Flash widths at full depth: 43 layers (2 HCA, then CSA / HCA interleaved), 128-token blocks,
             bfloat16 compressed entries + indexer keys (842,752 bytes a block)
 
-Per layout:
+Per layout (export / import: read_blocks / write_blocks alone, the engine's share of (a) / (b)):
     (a) export + put     read_blocks of the run, then KvClient.put_many (every block long-term)
     (b) get + import     KvClient.get_run of the run (served from the store's RAM tier), then write_blocks
     (c) hand-over        (a) then a lookup and (b): what lies between prefill's first token and decode's first
@@ -117,6 +117,8 @@ class Row:
     disk_write_s: float
     disk_read_s: float
     nats_s: float
+    export_s: float  # read_blocks alone, inside (a)
+    import_s: float  # write_blocks alone, inside (b)
     put_s: float  # (a)
     get_s: float  # (b)
     handover_s: float  # (c)
@@ -196,6 +198,7 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
 
     started = time.perf_counter()
     blobs = src.read_blocks(blocks)
+    export_s = time.perf_counter() - started
     stored = await kv.put_many(list(zip(keys, blobs)))
     put_s = time.perf_counter() - started
     failed = 0 if stored else await count_missing(kv, keys)
@@ -203,7 +206,9 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     started = time.perf_counter()
     await kv.lookup_run(keys)
     got = await kv.get_run(keys)
+    imported = time.perf_counter()
     dst.write_blocks(blocks[: len(got)], got)
+    import_s = time.perf_counter() - imported
     get_s = time.perf_counter() - started
     assert all(a == b for a, b in zip(got, blobs)), "a block came back different"
 
@@ -223,7 +228,7 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     mem = memcpy_s(nbytes, repeat)
     write, read = disk_s(directory, nbytes)
     wire = await nats_s(url, nbytes)
-    return Row(layout, tokens, n, nbytes, mem, write, read, wire, put_s, get_s, put_s + get_s,
+    return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, put_s, get_s, put_s + get_s,
                statistics.median(one_put), statistics.median(one_get), failed, n - got_back)
 
 
@@ -293,14 +298,16 @@ def rate(nbytes: int, seconds: float) -> str:
 
 def table(rows: list[Row], slow: int) -> str:
     lines = [
-        "| layout | tokens | blocks | MB | memcpy | disk write | disk read | nats | (a) export+put | (b) get+import "
+        "| layout | tokens | blocks | MB | memcpy | disk write | disk read | nats | export | import "
+        "| (a) export+put | (b) get+import "
         "| (c) hand-over | (c) / memcpy | (c) / nats | 1 block put | 1 block get | failed puts | blocks not got back |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.layout} | {r.tokens} | {r.blocks} | {r.nbytes / 1e6:,.0f} | {rate(r.nbytes, r.memcpy_s)} "
             f"| {rate(r.nbytes, r.disk_write_s)} | {rate(r.nbytes, r.disk_read_s)} | {rate(r.nbytes, r.nats_s)} "
+            f"| {rate(r.nbytes, r.export_s)} | {rate(r.nbytes, r.import_s)} "
             f"| {r.put_s * 1e3:,.0f} ms ({rate(r.nbytes, r.put_s)}) "
             f"| {r.get_s * 1e3:,.0f} ms ({rate(r.nbytes, r.get_s)}) "
             f"| {r.handover_s * 1e3:,.0f} ms ({rate(r.nbytes, r.handover_s)}) | {r.handover_s / r.memcpy_s:,.0f}x "
