@@ -60,6 +60,10 @@ class Arena:
         self._free = list(range(slots - 1, -1, -1))
         self.lost = 0  # slots retired after a timeout
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def take(self) -> int | None:
         """A free slot's offset, or None when every slot is lent or retired."""
         return HEADER + self._free.pop() * self.slot_bytes if self._free else None

@@ -272,9 +272,15 @@ class KvClient:
 
     async def _shm_request(self, arena: Arena, offset: int, subject: str, request: object) -> KvShmReply | None:
         """The store's reply; None on a timeout (the slot is retired: the store may write into it yet). A store
-        that cannot map the arena turns the shared-memory path off for this client."""
+        that cannot map the arena turns the shared-memory path off for this client. Cancelled (a run that ended
+        before this chunk), the request still runs to its end in the background and settles the slot then: the
+        store may be writing into it right now."""
+        sent = asyncio.ensure_future(self._bus.request(subject, request, KvShmReply, timeout=self._timeout))
         try:
-            reply = await self._bus.request(subject, request, KvShmReply, timeout=self._timeout)
+            reply = await asyncio.shield(sent)
+        except asyncio.CancelledError:
+            sent.add_done_callback(lambda done: _settle(arena, offset, done))
+            raise
         except BusTimeout as exc:
             log.warning("kv %s failed: %s", subject, exc)
             arena.lose(offset)
@@ -285,6 +291,13 @@ class KvClient:
             self.counts["arena_refused"] += 1
         return reply
 
+
+def _settle(arena: Arena, offset: int, done: asyncio.Future[KvShmReply]) -> None:
+    """The slot of a request nobody waits for any more: lent again once the store answered, else retired."""
+    if done.cancelled() or done.exception() is not None:
+        arena.lose(offset)
+    else:
+        arena.give(offset)
 
 
 # --- big short-term blobs, in parts ---------------------------------------------------------------------------
