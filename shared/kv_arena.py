@@ -101,6 +101,7 @@ class ArenaMaps:
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._inodes: dict[str, int] = {}
 
     def get(self, path: str, token: bytes) -> mmap.mmap | None:
         """The mapped arena at `path` if its token matches (remapped once if the file was replaced), else None."""
@@ -117,6 +118,7 @@ class ArenaMaps:
         old = self._maps.pop(path, None)
         if old is not None:
             old.close()
+            del self._inodes[path]
         try:
             fd = os.open(p, os.O_RDWR)
         except OSError:
@@ -126,11 +128,32 @@ class ArenaMaps:
             if size <= HEADER:
                 return None
             self._maps[path] = mmap.mmap(fd, size)
+            self._inodes[path] = os.fstat(fd).st_ino
         finally:
             os.close(fd)
         return self._maps[path]
+
+    def sweep(self) -> int:
+        """Unmap arenas whose file is gone or replaced (their worker stopped or died): a map would keep the
+        memory of an unlinked file alive. Returns how many."""
+        gone = []
+        for path in self._maps:
+            try:
+                if os.stat(path).st_ino == self._inodes[path]:
+                    continue
+            except OSError:
+                pass
+            gone.append(path)
+        for path in gone:
+            self._maps.pop(path).close()
+            del self._inodes[path]
+        return len(gone)
+
+    def __len__(self) -> int:
+        return len(self._maps)
 
     def close(self) -> None:
         for mapped in self._maps.values():
             mapped.close()
         self._maps.clear()
+        self._inodes.clear()

@@ -156,6 +156,9 @@ class KvCacheService:
         if arena is None or not 0 < req.offset <= len(arena) - req.capacity:
             return KvShmReply(mapped=False)
         run, at_miss = await self._read_run(req.keys, req.capacity, req.capacity)
+        arena = self._arenas.get(req.arena, req.token)  # again: the sweep may have unmapped it meanwhile
+        if arena is None:
+            return KvShmReply(mapped=False)
         at = req.offset
         for blob in run:
             arena[at : at + len(blob)] = blob
@@ -287,6 +290,8 @@ class KvCacheService:
                 continue
             if expired:
                 log.debug("expired %d entries", expired)
+            if self._arenas.sweep():
+                log.info("unmapped the arenas of stopped workers; %d mapped", len(self._arenas))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

@@ -36,6 +36,7 @@ def test_the_store_maps_only_arenas_with_their_token() -> None:
         mapped = maps.get(str(second.path), second.token)  # the stale map is replaced
         assert mapped is not None and mapped[:16] == second.token
         second.close()
+        assert maps.sweep() == 1 and len(maps) == 0  # its file is gone: the map would keep its memory alive
     finally:
         first.close()
         maps.close()
