@@ -1,6 +1,6 @@
 """The KV data plane, prefill -> kvcache -> decode, against the host's own ceilings measured in the same run.
 
-    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--transport nats|shm] [--out results.md]
+    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--transport nats|shm] [--out FILE]
 
 Real parts: a private nats-server (the launcher's config: 8 MiB payloads, 32 MiB pending per connection), the
 kvcache service as its own process (`python -m services.kvcache`, RAM + SSD tiers under a temp dir), the
