@@ -89,6 +89,14 @@ class Bus:
         )
         return cls(nc, name)
 
+    async def sibling(self, role: str) -> Bus:
+        """A second connection to the same server, for traffic that must not queue with this one's: bulk KV bytes
+        on their own socket, so heartbeats, tokens and work acks never wait behind megabytes in one write buffer
+        (each NATS connection also has its own pending limit at the server). The caller drains it."""
+        url = self._nc.connected_url
+        assert url is not None, "sibling of a bus that is not connected"
+        return await Bus.connect(url.geturl(), f"{self._name}-{role}")
+
     @property
     def name(self) -> str:
         """The connection's name: the service instance (e.g. "recipe-0")."""

@@ -1,50 +1,99 @@
 """Client side of the kvcache service, used by prefill and decode workers.
 
 The store is an optimisation, never a dependency: every call degrades to "not cached" when the kvcache service
-is slow or gone, and the worker recomputes. One block rides in one message (a block is well under NATS's
-payload limit); many blocks move as concurrent requests.
+is slow or gone, and the worker recomputes.
+
+Bulk moves in batches: a run of blocks is put as `kv.put.batch` messages and read back as `kv.get.run` messages,
+each carrying as many blocks as fit `message_bytes`, with at most `window_bytes` of them in flight, answered in
+order. The bound is what keeps the mesh alive: nats-server lets one connection have 32 MiB pending (4 x the
+payload limit), and a burst past it (one request per block, all at once) gets the kvcache service cut off as a
+slow consumer.
+
+With an `Arena` (shared/kv_arena.py: the worker and the store on one host) the same batches carry only keys and
+lengths; the bytes go through shared memory. The first reply that says the store cannot map the arena (another
+host) turns it off for good, and the bytes go over NATS again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import struct
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
+from shared.kv_arena import Arena, arena_path, remove_stale
 from shared.schemas.kv import (
     KvGet,
     KvGetReply,
+    KvGetRun,
+    KvGetRunReply,
+    KvGetRunShm,
     KvLookup,
     KvLookupReply,
-    KvPut,
-    KvPutReply,
+    KvPutBatch,
+    KvPutBatchReply,
+    KvPutShm,
+    KvShmReply,
     KvStats,
     KvStatsReply,
 )
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
 SHORT_TERM_TTL_S = 180.0
 _PART_COUNT = struct.Struct("<I")  # a state's first part starts with how many parts there are
+MESSAGE_OVERHEAD = 64 * 1024  # keys, msgpack framing and trace headers around a batch's blobs
+MiB = 1 << 20
+
+
+def _no_arena(instance: str, slots: int, slot_bytes: int) -> Arena | None:
+    return None
+
+
+def _shm_arena(instance: str, slots: int, slot_bytes: int) -> Arena | None:
+    remove_stale(instance)  # what a crashed predecessor left in /dev/shm
+    return Arena(arena_path(instance), slots, slot_bytes)
+
+
+# How KV bytes travel, by name (--kv-transport). An RDMA library (NIXL, Mooncake's transfer engine) would be one
+# more entry: a factory for an object with the Arena's take / give / lose / write / read, where installed.
+TRANSPORTS: dict[str, Callable[[str, int, int], Arena | None]] = {"nats": _no_arena, "shm": _shm_arena}
+
+
+def open_client(bus: Bus, transport: str, instance: str, *, message_bytes: int = 4 * MiB,
+                window_bytes: int = 8 * MiB) -> KvClient:
+    """A worker's client, its bytes over `transport` (a key of TRANSPORTS)."""
+    message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
+    arena = TRANSPORTS[transport](instance, window_bytes // message_bytes + 1, message_bytes)
+    return KvClient(bus, message_bytes=message_bytes, window_bytes=window_bytes, arena=arena)
 
 
 class KvClient:
-    def __init__(self, bus: Bus, timeout: float = 5.0) -> None:
+    def __init__(self, bus: Bus, timeout: float = 5.0, *, message_bytes: int = 4 * MiB, window_bytes: int = 8 * MiB,
+                 arena: Arena | None = None) -> None:
+        """message_bytes: blobs per batch message, in bytes (a bigger blob goes alone); window_bytes: batches in
+        flight at once, in bytes (at least one): keep it well under the server's 32 MiB per connection, for
+        several workers may write to one kvcache instance at once. arena: move the bytes through it (its slots
+        should be `message_bytes` and number window_bytes // message_bytes + 1)."""
         self._bus = bus
         self._timeout = timeout
+        self._message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
+        self._window_bytes = window_bytes
+        self.arena = arena
+        # what this worker saw of the store, for its health report: blocks put / not stored, gets that failed
+        self.counts: Counter[str] = Counter()
 
     async def lookup(self, hashes: list[bytes]) -> int:
         """Length of the longest stored prefix run of `hashes` (0 when the store is unreachable)."""
-        if not hashes:
-            return 0
-        try:
-            reply = await self._bus.request(subjects.KV_LOOKUP, KvLookup(hashes), KvLookupReply, timeout=self._timeout)
-        except BusTimeout as exc:
-            log.warning("kv lookup failed, recomputing: %s", exc)
-            return 0
-        return reply.hits
+        return (await self.lookup_run(hashes)).hits
 
     async def lookup_run(self, hashes: list[bytes], lease_s: float = 0.0) -> KvLookupReply:
         """The stored prefix run of `hashes` and how it splits over the store's tiers; with `lease_s` > 0 the run
@@ -58,6 +107,7 @@ class KvClient:
             )
         except BusTimeout as exc:
             log.warning("kv lookup failed, recomputing: %s", exc)
+            self.counts["lookups_failed"] += 1
             return KvLookupReply(hits=0)
 
     async def stats(self) -> KvStatsReply | None:
@@ -67,14 +117,36 @@ class KvClient:
         except BusTimeout:
             return None
 
-    async def get_run(self, keys: list[bytes]) -> list[bytes]:
-        """The blobs of `keys` up to (not including) the first one missing."""
-        replies = await asyncio.gather(*(self._get_one(k) for k in keys))
+    async def get_run(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The blobs of `keys` up to (not including) the first one missing. The first message asks for the whole
+        run and learns how many blobs one reply carries; the rest go as that many keys a message, pipelined."""
         run: list[bytes] = []
-        for blob in replies:
-            if blob is None:
+        while len(run) < len(keys):
+            rest = keys[len(run) :]
+            first = await self._get_chunk(rest)
+            if first is None or not first.blobs:
                 break
-            run.append(blob)
+            run += first.blobs
+            if first.ended:
+                break
+            per = len(first.blobs)
+            chunks = [rest[at : at + per] for at in range(per, len(rest), per)]
+            calls = [(self._message_bytes, functools.partial(self._get_chunk, chunk)) for chunk in chunks]
+            done = False
+            async with contextlib.aclosing(self._ordered(calls)) as replies:
+                i = 0
+                async for reply in replies:
+                    if reply is None or reply.ended:
+                        run += reply.blobs if reply is not None else []
+                        done = True
+                        break
+                    run += reply.blobs
+                    if len(reply.blobs) < len(chunks[i]):
+                        break  # that reply filled up early (bigger blobs): ask again from where it stopped
+                    i += 1
+            if done:
+                break
+        self.counts["blocks_got"] += len(run)
         return run
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
@@ -86,29 +158,146 @@ class KvClient:
             reply = await self._bus.request(subjects.KV_GET, KvGet(keys), KvGetReply, timeout=self._timeout)
         except BusTimeout as exc:
             log.warning("kv get failed: %s", exc)
+            self.counts["gets_failed"] += 1
             return [None] * len(keys)
         return [*reply.blobs, *[None] * (len(keys) - len(reply.blobs))][: len(keys)]
 
-    async def _get_one(self, key: bytes) -> bytes | None:
-        try:
-            reply = await self._bus.request(subjects.KV_GET, KvGet([key]), KvGetReply, timeout=self._timeout)
-        except BusTimeout as exc:
-            log.warning("kv get failed: %s", exc)
-            return None
-        return reply.blobs[0] if reply.blobs else None
-
     async def put_many(self, items: list[tuple[bytes, bytes]], ttl_s: float = 0.0) -> bool:
         """Store (key, blob) pairs; True when all were stored."""
-        results = await asyncio.gather(*(self._put_one(k, v, ttl_s) for k, v in items))
-        return all(results)
+        batches = self._batches(items)
+        calls = [(sum(len(b) for _, b in batch), functools.partial(self._put_batch, batch, ttl_s)) for batch in batches]
+        stored = 0
+        async with contextlib.aclosing(self._ordered(calls)) as replies:
+            async for n in replies:
+                stored += n
+        self.counts["blocks_put"] += stored
+        self.counts["puts_failed"] += len(items) - stored
+        return stored == len(items)
 
-    async def _put_one(self, key: bytes, blob: bytes, ttl_s: float) -> bool:
+    # --- internals ---------------------------------------------------------------------------------------------
+
+    def _batches(self, items: list[tuple[bytes, bytes]]) -> list[list[tuple[bytes, bytes]]]:
+        """Consecutive items, as many a batch as fit `message_bytes` (a bigger blob alone)."""
+        batches: list[list[tuple[bytes, bytes]]] = []
+        size = self._message_bytes
+        for key, blob in items:
+            if not batches or size + len(blob) > self._message_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append((key, blob))
+            size += len(blob)
+        return batches
+
+    async def _ordered(self, calls: list[tuple[int, Callable[[], Awaitable[R]]]]) -> AsyncIterator[R]:
+        """The results of `calls` ((bytes, call) pairs) in order, with at most `window_bytes` of them in flight
+        (always at least one); leaving early cancels the rest."""
+        flying: deque[tuple[int, asyncio.Future[R]]] = deque()
+        load = 0
         try:
-            reply = await self._bus.request(subjects.KV_PUT, KvPut(key, blob, ttl_s), KvPutReply, timeout=self._timeout)
+            for weight, call in calls:
+                while flying and load + weight > self._window_bytes:
+                    done_weight, task = flying.popleft()
+                    load -= done_weight
+                    yield await task
+                flying.append((weight, asyncio.ensure_future(call())))
+                load += weight
+            while flying:
+                yield await flying.popleft()[1]
+        finally:
+            for _, task in flying:
+                task.cancel()
+
+    async def _get_chunk(self, keys: Sequence[bytes]) -> KvGetRunReply | None:
+        if self.arena is not None:
+            reply = await self._get_shm(self.arena, keys)
+            if reply is not False:
+                return reply
+        try:
+            return await self._bus.request(
+                subjects.KV_GET_RUN, KvGetRun(list(keys), self._message_bytes), KvGetRunReply, timeout=self._timeout
+            )
+        except BusTimeout as exc:
+            log.warning("kv get failed: %s", exc)
+            self.counts["gets_failed"] += 1
+            return None
+
+    async def _put_batch(self, batch: list[tuple[bytes, bytes]], ttl_s: float) -> int:
+        """How many of `batch` the store stored (0 when it did not answer)."""
+        keys, blobs = [k for k, _ in batch], [b for _, b in batch]
+        if self.arena is not None:
+            stored = await self._put_shm(self.arena, keys, blobs, ttl_s)
+            if stored is not None:
+                return stored
+        try:
+            reply = await self._bus.request(
+                subjects.KV_PUT_BATCH, KvPutBatch(keys, blobs, ttl_s), KvPutBatchReply, timeout=self._timeout
+            )
         except BusTimeout as exc:
             log.warning("kv put failed: %s", exc)
+            return 0
+        return sum(reply.stored)
+
+    # --- the shared-memory path: False / None = not taken, send over NATS -------------------------------------
+
+    async def _get_shm(self, arena: Arena, keys: Sequence[bytes]) -> KvGetRunReply | None | bool:
+        offset = arena.take()
+        if offset is None:
             return False
-        return reply.stored
+        request = KvGetRunShm(list(keys), str(arena.path), arena.token, offset, arena.slot_bytes)
+        reply = await self._shm_request(arena, offset, subjects.KV_GET_SHM, request)
+        if reply is None:
+            self.counts["gets_failed"] += 1
+            return None
+        try:
+            if not reply.mapped or not (reply.lengths or reply.ended):
+                return False  # not mapped, or the next blob is bigger than a slot: that one goes over NATS
+            self.counts["blocks_via_shm"] += len(reply.lengths)
+            return KvGetRunReply(arena.read(offset, reply.lengths), reply.ended)
+        finally:
+            arena.give(offset)
+
+    async def _put_shm(self, arena: Arena, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> int | None:
+        if sum(map(len, blobs)) > arena.slot_bytes or (offset := arena.take()) is None:
+            return None
+        lengths = arena.write(offset, blobs)
+        request = KvPutShm(keys, lengths, str(arena.path), arena.token, offset, ttl_s)
+        reply = await self._shm_request(arena, offset, subjects.KV_PUT_SHM, request)
+        if reply is None:
+            return 0
+        arena.give(offset)
+        if not reply.mapped:
+            return None
+        self.counts["blocks_via_shm"] += len(keys)
+        return sum(reply.stored)
+
+    async def _shm_request(self, arena: Arena, offset: int, subject: str, request: object) -> KvShmReply | None:
+        """The store's reply; None on a timeout (the slot is retired: the store may write into it yet). A store
+        that cannot map the arena turns the shared-memory path off for this client. Cancelled (a run that ended
+        before this chunk), the request still runs to its end in the background and settles the slot then: the
+        store may be writing into it right now."""
+        sent = asyncio.ensure_future(self._bus.request(subject, request, KvShmReply, timeout=self._timeout))
+        try:
+            reply = await asyncio.shield(sent)
+        except asyncio.CancelledError:
+            sent.add_done_callback(lambda done: _settle(arena, offset, done))
+            raise
+        except BusTimeout as exc:
+            log.warning("kv %s failed: %s", subject, exc)
+            arena.lose(offset)
+            return None
+        if not reply.mapped and self.arena is arena:
+            log.warning("the kvcache service cannot map %s (another host?): KV bytes go over NATS", arena.path)
+            self.arena = None
+            self.counts["arena_refused"] += 1
+        return reply
+
+
+def _settle(arena: Arena, offset: int, done: asyncio.Future[KvShmReply]) -> None:
+    """The slot of a request nobody waits for any more: lent again once the store answered, else retired."""
+    if done.cancelled() or done.exception() is not None:
+        arena.lose(offset)
+    else:
+        arena.give(offset)
 
 
 # --- big short-term blobs, in parts ---------------------------------------------------------------------------

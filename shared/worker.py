@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from shared import short_term, subjects
 from shared.bus import Bus, Envelope, WorkQueue
 from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, ServiceConfig
@@ -25,7 +27,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.device import default_device
 from shared.engine.engine import Engine
 from shared.kv_events import EventPublisher
-from shared.kvclient import KvClient
+from shared.kvclient import TRANSPORTS, KvClient, open_client
 from shared.models import resolve
 from shared.schemas.events import TIER_LOCAL
 from shared.schemas.generate import Cancel, TokenEvent
@@ -46,6 +48,7 @@ class WorkerConfig:
     max_running: int
     speculative_tokens: int = 0
     gpu_memory_utilization: float | None = None  # share of the GPU this worker may fill; None = the engine's rule
+    kv_transport: str = "nats"  # how KV bytes reach the kvcache service: shared/kvclient.py TRANSPORTS
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
@@ -54,6 +57,8 @@ class WorkerConfig:
             raise ValueError("--kv-blocks must be positive")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"--kv-transport must be one of {sorted(TRANSPORTS)}")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
 
@@ -72,11 +77,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="share of the GPU's memory this worker may fill, weights and KV pool (as vLLM's; "
                              "activations come on top); default: the KV pool takes 80%% of what is free after "
                              "loading the weights")
+    parser.add_argument("--kv-transport", default=os.environ.get("DEEPINFER_KV_TRANSPORT", "nats"),
+                        help=f"how KV bytes reach the kvcache service: {' | '.join(TRANSPORTS)} (shm: shared "
+                             "memory, worker and kvcache on one host; falls back to nats when the store cannot map it)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
-                        args.speculative_tokens, args.gpu_memory_utilization)
+                        args.speculative_tokens, args.gpu_memory_utilization, args.kv_transport)
 
 
 class EngineWorker(ABC):
@@ -90,6 +98,7 @@ class EngineWorker(ABC):
         self.model_name = config.model_name(resolve(config.model).name)  # what the recipe routes requests by
         self.bus: Bus | None = None
         self.kv: KvClient | None = None
+        self._kv_bus: Bus | None = None  # the KV store's own connection (see start)
         self.engine: AsyncEngine | None = None
         self.active: set[str] = set()
         self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
@@ -102,16 +111,23 @@ class EngineWorker(ABC):
 
     async def start(self, bus: Bus) -> None:
         self.bus = bus
-        self.kv = KvClient(bus)
+        # KV blocks ride their own connection: a burst of megabytes to the store never delays a heartbeat (the
+        # balancer drops a worker silent for 3 s), a token or a work message's ack on `bus`.
+        self._kv_bus = await bus.sibling("kv")
+        self.kv = open_client(self._kv_bus, self.worker.kv_transport, self.config.instance)
         self._tasks.append(asyncio.create_task(self._load_then_serve()))
 
     def health(self) -> tuple[bool, str]:
+        """Not ready: what it is doing (loading the model). Ready: a JSON report, with what this worker saw of
+        the KV store (blocks put and got, puts that failed, gets and lookups that failed)."""
         ready = self.engine is not None and self._queue is not None
-        if ready and self.engine is not None and self.worker.speculative_tokens:
+        if not ready or self.engine is None:
+            return False, self._status
+        detail: dict[str, Any] = {"status": self._status, "kv": dict(self.kv.counts) if self.kv else {}}
+        if self.worker.speculative_tokens:
             stats = self.engine.engine.stats()
-            rate = stats.accepted / stats.drafted if stats.drafted else 0.0
-            return True, f"{self._status}; MTP drafts {stats.drafted}, accepted {stats.accepted} ({rate:.0%})"
-        return ready, self._status
+            detail["mtp"] = {"drafted": stats.drafted, "accepted": stats.accepted}
+        return True, orjson.dumps(detail).decode()
 
     async def stop(self) -> None:
         if self._queue is not None:
@@ -124,6 +140,10 @@ class EngineWorker(ABC):
             await self.engine.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
+        if self._kv_bus is not None:
+            await self._kv_bus.drain()
+        if self.kv is not None and self.kv.arena is not None:
+            self.kv.arena.close()
 
     # --- internals ----------------------------------------------------------------------------------------------
 

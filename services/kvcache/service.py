@@ -4,9 +4,14 @@ periodic sweep.
 The store's tiers (see store.py): RAM (hot copies), LMDB at `<state_dir>/kvcache/` (short-term entries, warm
 blocks) and the SSD tier at `<state_dir>/kvcache/ssd/` (long-term blocks, kept for days across restarts).
 
-Every store call runs on one dedicated I/O thread: LMDB reads of a cold page and fsyncs can block, and the store
-is not thread-safe, so one thread both keeps the event loop free and serializes access. The environment is
-opened on that thread when the service starts (never before a fork).
+The disk tiers run on one dedicated I/O thread: LMDB reads of a cold page and fsyncs can block, and they are not
+thread-safe, so one thread both keeps the event loop free and serializes access. The environment is opened on
+that thread when the service starts (never before a fork). What the RAM tier holds is served on the event loop
+at once (store.py: `hot_lookup`, `hot_run`, `put_hot`), so a RAM hit never queues behind a disk write; a put's
+write to its home tier still happens (write-through) and the reply waits for it, off the read path.
+
+Bulk traffic comes batched: `kv.get.run` answers a prefix run with as many blocks as one reply carries, and
+`kv.put.batch` stores many blocks per message; clients keep a bounded number of them in flight (kvclient.py).
 
 Instances in the `kvcache` queue group each own their store; run one per state directory.
 """
@@ -32,16 +37,24 @@ from services.kvcache.tiers.ram import RamTier
 from services.kvcache.tiers.ssd import SsdTier
 from shared import subjects
 from shared.bus import Bus
+from shared.kv_arena import ArenaMaps
 from shared.kv_events import EventPublisher
 from shared.schemas.kv import (
     KvDelete,
     KvDeleteReply,
     KvGet,
     KvGetReply,
+    KvGetRun,
+    KvGetRunReply,
+    KvGetRunShm,
     KvLookup,
     KvLookupReply,
     KvPut,
+    KvPutBatch,
+    KvPutBatchReply,
     KvPutReply,
+    KvPutShm,
+    KvShmReply,
     KvStats,
     KvStatsReply,
     KvTierStats,
@@ -65,6 +78,7 @@ class KvCacheService:
         self._sweeper: asyncio.Task[None] | None = None
         self._max_reply = 0
         self.events: EventPublisher | None = None
+        self._arenas = ArenaMaps()  # same-host workers' shared memory (shared/kv_arena.py)
 
     # --- Service protocol --------------------------------------------------------------------------------------
 
@@ -80,6 +94,10 @@ class KvCacheService:
             await bus.serve(subjects.KV_LOOKUP, KvLookup, self._lookup, queue=group),
             await bus.serve(subjects.KV_GET, KvGet, self._get, queue=group),
             await bus.serve(subjects.KV_PUT, KvPut, self._put, queue=group),
+            await bus.serve(subjects.KV_GET_RUN, KvGetRun, self._get_run, queue=group),
+            await bus.serve(subjects.KV_PUT_BATCH, KvPutBatch, self._put_batch, queue=group),
+            await bus.serve(subjects.KV_GET_SHM, KvGetRunShm, self._get_shm, queue=group),
+            await bus.serve(subjects.KV_PUT_SHM, KvPutShm, self._put_shm, queue=group),
             await bus.serve(subjects.KV_DELETE, KvDelete, self._delete, queue=group),
             await bus.serve(subjects.KV_STATS, KvStats, self._stats),  # every instance answers for itself
         ]
@@ -98,10 +116,13 @@ class KvCacheService:
             await self._run(self.store.close)
             self.store = None
         self._io.shutdown(wait=True)
+        self._arenas.close()
 
     def health(self) -> tuple[bool, str]:
         if self.store is None:
             return False, "store not open"
+        if not self._subs:  # set once every subject is subscribed: ready means every request has a responder
+            return False, "subscribing"
         # Counters are plain ints written by the I/O thread; a slightly torn snapshot is fine for a report.
         return True, orjson.dumps(self.store.stats()).decode()
 
@@ -109,7 +130,9 @@ class KvCacheService:
 
     async def _lookup(self, req: KvLookup) -> KvLookupReply:
         assert self.store is not None
-        run = await self._run(self.store.lookup, req.hashes, req.lease_s)
+        run = self.store.hot_lookup(req.hashes, req.lease_s)  # all in RAM: no wait behind the disk
+        if run is None:
+            run = await self._run(self.store.lookup, req.hashes, req.lease_s)
         return KvLookupReply(
             hits=run.hits,
             ram_hits=run.by_tier.get("ram", 0),
@@ -122,9 +145,71 @@ class KvCacheService:
         assert self.store is not None
         return KvGetReply(blobs=self._fit(await self._run(self.store.get, req.keys)))
 
-    async def _put(self, req: KvPut) -> KvPutReply:
+    async def _get_run(self, req: KvGetRun) -> KvGetRunReply:
+        hard = self._max_reply
+        limit = min(req.max_bytes, hard) if req.max_bytes > 0 else hard
+        run, at_miss = await self._read_run(req.keys, limit, hard)
+        return KvGetRunReply(blobs=run, ended=at_miss)
+
+    async def _get_shm(self, req: KvGetRunShm) -> KvShmReply:
+        arena = self._arenas.get(req.arena, req.token)
+        if arena is None or not 0 < req.offset <= len(arena) - req.capacity:
+            return KvShmReply(mapped=False)
+        run, at_miss = await self._read_run(req.keys, req.capacity, req.capacity)
+        arena = self._arenas.get(req.arena, req.token)  # again: the sweep may have unmapped it meanwhile
+        if arena is None:
+            return KvShmReply(mapped=False)
+        at = req.offset
+        for blob in run:
+            arena[at : at + len(blob)] = blob
+            at += len(blob)
+        return KvShmReply(mapped=True, lengths=[len(b) for b in run], ended=at_miss)
+
+    async def _read_run(self, keys: list[bytes], limit: int, first: int) -> tuple[list[bytes], bool]:
+        """The leading run of `keys` within `limit` bytes (the first blob within `first`): RAM's part on the loop,
+        the rest from the disk tiers on the I/O thread. True when it ended at an absent key."""
         assert self.store is not None
-        return KvPutReply(stored=await self._run(self.store.put, req.key, req.data, req.ttl_s))
+        store = self.store
+        run, at_miss = store.hot_run(keys, limit, first)
+        if at_miss:  # RAM lacks the next key: the disk tiers may have it (and the run's rest)
+            used = sum(map(len, run))
+            more, at_miss = await self._run(store.read_run, keys[len(run) :], limit - used,
+                                            limit - used if run else first)
+            run += more
+        return run, at_miss
+
+    async def _put_shm(self, req: KvPutShm) -> KvShmReply:
+        arena = self._arenas.get(req.arena, req.token)
+        end = req.offset + sum(req.lengths)
+        if (arena is None or len(req.lengths) != len(req.keys) or min(req.lengths, default=0) < 0
+                or not 0 < req.offset <= end <= len(arena)):
+            return KvShmReply(mapped=False)
+        blobs, at = [], req.offset
+        for n in req.lengths:
+            blobs.append(arena[at : at + n])  # a copy: the slot goes back to the worker with the reply
+            at += n
+        return KvShmReply(mapped=True, stored=await self._store(req.keys, blobs, req.ttl_s))
+
+    async def _put(self, req: KvPut) -> KvPutReply:
+        (stored,) = await self._store([req.key], [req.data], req.ttl_s)
+        return KvPutReply(stored=stored)
+
+    async def _put_batch(self, req: KvPutBatch) -> KvPutBatchReply:
+        if len(req.keys) != len(req.blobs):
+            log.warning("kv.put.batch with %d keys and %d blobs: refused", len(req.keys), len(req.blobs))
+            return KvPutBatchReply(stored=[False] * len(req.keys))
+        return KvPutBatchReply(stored=await self._store(req.keys, req.blobs, req.ttl_s))
+
+    async def _store(self, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> list[bool]:
+        """RAM copies now, on the loop (readable at once), then the home tiers' writes on the I/O thread."""
+        assert self.store is not None
+        store = self.store
+        expiries = [store.put_hot(key, blob, ttl_s) for key, blob in zip(keys, blobs)]
+
+        def write_home() -> list[bool]:
+            return [e is not None and store.put_home(k, b, e) for k, b, e in zip(keys, blobs, expiries)]
+
+        return await self._run(write_home)
 
     async def _delete(self, req: KvDelete) -> KvDeleteReply:
         assert self.store is not None
@@ -205,6 +290,8 @@ class KvCacheService:
                 continue
             if expired:
                 log.debug("expired %d entries", expired)
+            if self._arenas.sweep():
+                log.info("unmapped the arenas of stopped workers; %d mapped", len(self._arenas))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

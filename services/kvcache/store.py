@@ -22,12 +22,17 @@ A put reports success when the entry's home tier (SSD or LMDB) stored it; the RA
 A `Listener` (`watch`) hears which long-term keys each tier gained and lost, for KV events; `long_term_keys`
 lists what each tier holds now, for snapshots. Short-term keys are not reported: they are per request.
 
-The store is synchronous and not thread-safe: the service calls it from one I/O thread.
+Two threads call the store. The disk tiers (LMDB, SSD) are touched only by the service's one I/O thread. The RAM
+tier, the leases and the counters sit behind a lock, so the event loop can serve what RAM holds at once
+(`hot_run`, `hot_lookup`, `put_hot`) while a disk write is under way on the I/O thread: a put is a RAM copy first,
+readable immediately, then the write to its home tier (`put_home`), whose result the put reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +40,7 @@ from typing import Protocol
 
 from services.kvcache.leases import Leases
 
+RUN_READ = 16  # keys per disk read of a prefix run (the SSD tier reads a run's segment pieces together)
 MAX_KEY_BYTES = 256  # LMDB keys are at most 511 bytes and the tiers' indexes prefix 8 bytes to them
 
 Entry = tuple[bytes, float]  # (payload, expires_at): expires_at 0.0 = long-term, no expiry
@@ -145,6 +151,9 @@ class KvStore:
         self.counters = Counters()
         self.traffic = {tier.name: Traffic() for tier in self._read_order}
         self._listener: Listener | None = None
+        # Guards the RAM tier, the leases and the counters (the event loop and the I/O thread both use them).
+        # Re-entrant: a tier's on_removed may run inside a locked call and come back through the listener.
+        self._hot = threading.RLock()
 
     def watch(self, listener: Listener) -> None:
         self._listener = listener
@@ -152,7 +161,11 @@ class KvStore:
             tier.on_removed = functools.partial(listener.removed, tier.name)
 
     def long_term_keys(self) -> dict[str, list[bytes]]:
-        return {tier.name: tier.long_term_keys() for tier in self._read_order}
+        out = {}
+        for tier in self._read_order:
+            with self._hot if tier is self._ram else _NO_LOCK:  # never hold the loop's lock over a disk index
+                out[tier.name] = tier.long_term_keys()
+        return out
 
     @property
     def tiers(self) -> list[Tier]:
@@ -167,20 +180,40 @@ class KvStore:
             todo = [i for i, p in enumerate(place) if p is None]
             if not todo:
                 break
-            for i, held in zip(todo, tier.holds([keys[i] for i in todo], now)):
-                if held:
+            with self._hot if tier is self._ram else _NO_LOCK:
+                held = tier.holds([keys[i] for i in todo], now)
+            for i, h in zip(todo, held):
+                if h:
                     place[i] = tier.name
         hits = place.index(None) if None in place else len(place)
+        return self._answer(hashes, keys, [p for p in place[:hits] if p is not None], lease_s, now)
+
+    def hot_lookup(self, hashes: Sequence[bytes], lease_s: float = 0.0) -> Run | None:
+        """`lookup` from the RAM tier alone, without touching a disk: None unless RAM holds every hash (only then
+        is the run known without asking the tiers below)."""
+        if self._ram is None:
+            return None
+        now = self._clock()
+        keys = _valid_prefix(hashes)
+        with self._hot:
+            if len(keys) < len(hashes) or not all(self._ram.holds(keys, now)):
+                return None
+            return self._answer(hashes, keys, [self._ram.name] * len(keys), lease_s, now)
+
+    def _answer(self, hashes: Sequence[bytes], keys: list[bytes], place: list[str], lease_s: float, now: float
+                ) -> Run:
+        hits = len(place)
         by_tier = {tier.name: 0 for tier in self._read_order}
-        for name in place[:hits]:
-            by_tier[name] += 1  # type: ignore[index]
+        for name in place:
+            by_tier[name] += 1
         granted = min(lease_s, self._max_lease_s) if hits and lease_s > 0 else 0.0
-        if granted:
-            self.leases.take(keys[:hits], now + granted)
-            self.counters.leases += 1
-        self.counters.lookups += 1
-        self.counters.lookup_blocks_hit += hits
-        self.counters.lookup_blocks_missed += len(hashes) - hits
+        with self._hot:
+            if granted:
+                self.leases.take(keys[:hits], now + granted)
+                self.counters.leases += 1
+            self.counters.lookups += 1
+            self.counters.lookup_blocks_hit += hits
+            self.counters.lookup_blocks_missed += len(hashes) - hits
         return Run(hits, by_tier, granted)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -190,53 +223,111 @@ class KvStore:
             wanted = [i for i, k in enumerate(keys) if found[i] is None and _valid_key(k)]
             if not wanted:
                 break
-            traffic = self.traffic[tier.name]
-            for i, entry in zip(wanted, tier.get([keys[i] for i in wanted], now)):
-                if entry is None:
-                    traffic.misses += 1
-                    continue
-                traffic.hits += 1
-                found[i] = entry[0]
-                if tier is not self._ram:
-                    self._promote(tier, keys[i], entry, now)
-        hits = [b for b in found if b is not None]
-        self.counters.get_hits += len(hits)
-        self.counters.get_misses += len(keys) - len(hits)
-        self.counters.bytes_read += sum(len(b) for b in hits)
+            with self._hot if tier is self._ram else _NO_LOCK:
+                entries = tier.get([keys[i] for i in wanted], now)
+            with self._hot:
+                traffic = self.traffic[tier.name]
+                traffic.hits += sum(e is not None for e in entries)
+                traffic.misses += sum(e is None for e in entries)
+            for i, entry in zip(wanted, entries):
+                if entry is not None:
+                    found[i] = entry[0]
+                    if tier is not self._ram:
+                        self._promote(tier, keys[i], entry, now)
+        self._count_read([b for b in found if b is not None], len(keys))
         return found
+
+    def hot_run(self, keys: Sequence[bytes], max_bytes: int, first_bytes: int) -> tuple[list[bytes], bool]:
+        """(the leading run of `keys` that RAM holds, its blobs within `max_bytes` in all (the first may be up to
+        `first_bytes`); True when it stopped at a key RAM lacks). No disk is touched: `read_run` reads on."""
+        if self._ram is None:
+            return [], bool(keys)
+        now = self._clock()
+        run: list[bytes] = []
+        with self._hot:
+            for key in keys:
+                entry = self._ram.get([key], now)[0] if _valid_key(key) else None
+                if entry is None:
+                    break
+                if not _fits(entry[0], run, max_bytes, first_bytes):
+                    self._count_hot(run)
+                    return run, False
+                run.append(entry[0])
+            self._count_hot(run)
+        return run, len(run) < len(keys)
+
+    def read_run(self, keys: Sequence[bytes], max_bytes: int, first_bytes: int) -> tuple[list[bytes], bool]:
+        """`hot_run` through every tier, for the I/O thread: True when the run ended at an absent key."""
+        run: list[bytes] = []
+        for at in range(0, len(keys), RUN_READ):
+            for blob in self.get(keys[at : at + RUN_READ]):
+                if blob is None:
+                    return run, True
+                if not _fits(blob, run, max_bytes, first_bytes):
+                    return run, False
+                run.append(blob)
+        return run, False
+
+    def _count_hot(self, run: list[bytes]) -> None:
+        assert self._ram is not None
+        self.traffic[self._ram.name].hits += len(run)
+        self._count_read(run, len(run))
+
+    def _count_read(self, hits: list[bytes], asked: int) -> None:
+        with self._hot:
+            self.counters.get_hits += len(hits)
+            self.counters.get_misses += asked - len(hits)
+            self.counters.bytes_read += sum(len(b) for b in hits)
 
     def put(self, key: bytes, data: bytes, ttl_s: float = 0.0) -> bool:
         """Long-term when `ttl_s` is 0, else short-term for min(ttl_s, max TTL) seconds."""
-        self.counters.puts += 1
-        if not _valid_key(key) or ttl_s < 0:
-            self.counters.puts_refused += 1
-            return False
+        expires_at = self.put_hot(key, data, ttl_s)
+        return expires_at is not None and self.put_home(key, data, expires_at)
+
+    def put_hot(self, key: bytes, data: bytes, ttl_s: float = 0.0) -> float | None:
+        """The first half of a put, any thread, no disk: a RAM copy (best effort: a refused copy still reads from
+        home once `put_home` stored it). Returns the entry's expires_at for `put_home`, None for a bad put."""
         now = self._clock()
-        expires_at = now + min(ttl_s, self._max_ttl_s) if ttl_s > 0 else 0.0
+        with self._hot:
+            self.counters.puts += 1
+            if not _valid_key(key) or ttl_s < 0:
+                self.counters.puts_refused += 1
+                return None
+            expires_at = now + min(ttl_s, self._max_ttl_s) if ttl_s > 0 else 0.0
+            if self._ram is not None and self._ram.put(key, data, expires_at, now):
+                self._stored(self._ram, key, expires_at)
+        return expires_at
+
+    def put_home(self, key: bytes, data: bytes, expires_at: float) -> bool:
+        """The second half, on the I/O thread: the write to the entry's home tier, the copy that counts."""
         home = self._short if expires_at or self._long is None else self._long
-        if not home.put(key, data, expires_at, now):
-            self.counters.puts_refused += 1
+        if not home.put(key, data, expires_at, self._clock()):
+            with self._hot:
+                self.counters.puts_refused += 1
+                if self._ram is not None:
+                    self._ram.delete([key])  # no copy without its home: a later read must not find a lost entry
             return False
-        self.counters.bytes_written += len(data)
+        with self._hot:
+            self.counters.bytes_written += len(data)
         self._stored(home, key, expires_at)
-        # Best effort: a refused RAM copy still reads from home.
-        if self._ram is not None and self._ram.put(key, data, expires_at, now):
-            self._stored(self._ram, key, expires_at)
         return True
 
     def delete(self, keys: Sequence[bytes]) -> int:
         valid = [k for k in keys if _valid_key(k)]
         # Every tier may hold a copy; an entry counts once, by its home tier (RAM copies are not entries of their own).
         deleted = sum(tier.delete(valid) for tier in self._read_order if tier is not self._ram)
-        if self._ram is not None:
-            self._ram.delete(valid)
-        self.counters.deletes += deleted
+        with self._hot:
+            if self._ram is not None:
+                self._ram.delete(valid)
+            self.counters.deletes += deleted
         return deleted
 
     def sweep(self) -> int:
         now = self._clock()
-        self.leases.sweep(now)
-        return sum(tier.sweep(now) for tier in self._read_order)
+        with self._hot:
+            self.leases.sweep(now)
+            expired = self._ram.sweep(now) if self._ram is not None else 0
+        return expired + sum(tier.sweep(now) for tier in self._read_order if tier is not self._ram)
 
     def tier_stats(self) -> list[tuple[str, TierStats, Traffic]]:
         return [(t.name, t.stats(), self.traffic[t.name]) for t in self._read_order]
@@ -249,24 +340,34 @@ class KvStore:
         }
 
     def close(self) -> None:
-        for tier in self._read_order:
-            tier.close()
+        with self._hot:
+            for tier in self._read_order:
+                tier.close()
 
     def _promote(self, source: Tier, key: bytes, entry: Entry, now: float) -> None:
         data, expires_at = entry
-        if self._ram is not None and self._ram.put(key, data, expires_at, now):
-            self.traffic[self._ram.name].promotions += 1
-            self._stored(self._ram, key, expires_at)
+        with self._hot:
+            if self._ram is not None and self._ram.put(key, data, expires_at, now):
+                self.traffic[self._ram.name].promotions += 1
+                self._stored(self._ram, key, expires_at)
         if source is self._short and not expires_at and self._long is not None:
             # A warm long-term block in LMDB: its home is the SSD tier now.
             if self._long.put(key, data, 0.0, now):
                 self._stored(self._long, key, 0.0)
                 self._short.delete([key])
-                self.counters.migrations += 1
+                with self._hot:
+                    self.counters.migrations += 1
 
     def _stored(self, tier: Tier, key: bytes, expires_at: float) -> None:
         if self._listener is not None and not expires_at:
             self._listener.stored(tier.name, [key])
+
+
+def _fits(blob: bytes, run: list[bytes], max_bytes: int, first_bytes: int) -> bool:
+    return len(blob) <= (max_bytes - sum(map(len, run)) if run else first_bytes)
+
+
+_NO_LOCK = contextlib.nullcontext()  # the disk tiers: only the I/O thread touches them
 
 
 def _valid_key(key: bytes) -> bool:

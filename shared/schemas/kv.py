@@ -46,6 +46,66 @@ class KvPutReply:
 
 
 @dataclass(frozen=True)
+class KvGetRun:
+    """The leading run of `keys`, as much of it as one reply carries (the bus's payload limit)."""
+
+    keys: list[bytes]
+    max_bytes: int = 0  # the reply's blobs in all at most this (0: the payload limit); the first blob may exceed it
+
+
+@dataclass(frozen=True)
+class KvGetRunReply:
+    blobs: list[bytes]  # the blobs of keys[0 : len(blobs)], all present
+    ended: bool  # True: keys[len(blobs)] is absent (the run ends there); False: the reply was full, or all were sent
+
+
+@dataclass(frozen=True)
+class KvPutBatch:
+    """Many entries in one message (at most the bus's payload limit in all), all with the same TTL."""
+
+    keys: list[bytes]
+    blobs: list[bytes]  # one per key
+    ttl_s: float = 0.0  # 0 = long-term (no expiry)
+
+
+@dataclass(frozen=True)
+class KvPutBatchReply:
+    stored: list[bool]  # one per key: True when its home tier stored it
+
+
+@dataclass(frozen=True)
+class KvPutShm:
+    """`kv.put.batch` with the blobs in the sender's shared-memory arena (shared/kv_arena.py), one after another
+    from `offset`."""
+
+    keys: list[bytes]
+    lengths: list[int]  # one per key
+    arena: str  # the arena's path
+    token: bytes  # the arena's token: proves the store maps the same file (same host)
+    offset: int
+    ttl_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KvGetRunShm:
+    """`kv.get.run` with the blobs written into the sender's arena at `offset`, at most `capacity` bytes."""
+
+    keys: list[bytes]
+    arena: str
+    token: bytes
+    offset: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class KvShmReply:
+    mapped: bool  # False: the store cannot map that arena (another host): send the bytes over NATS instead
+    stored: list[bool] = field(default_factory=list)  # a put's: one per key
+    lengths: list[int] = field(default_factory=list)  # a get's: the run's blobs, one after another at offset
+    ended: bool = False  # a get's: as KvGetRunReply.ended
+
+
+@dataclass(frozen=True)
 class KvDelete:
     keys: list[bytes]
 

@@ -96,3 +96,21 @@ async def test_key_value_bucket_typed_shared_and_retimed(nats_url: str) -> None:
     finally:
         await first.drain()
         await second.drain()
+
+
+async def test_a_sibling_is_a_connection_of_its_own(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "t-main")
+    sibling = await bus.sibling("kv")
+    try:
+        async def double(p: Ping) -> Pong:
+            return Pong(p.n * 2)
+
+        await bus.serve("t.sibling", Ping, double)
+        assert await bus.request("t.sibling", Ping(3), Pong) == Pong(6)  # a round trip: the server has the SUB
+        assert await sibling.request("t.sibling", Ping(4), Pong) == Pong(8)  # same server, same subjects
+        await sibling.drain()
+        assert not sibling.connected and bus.connected  # closing one leaves the other up
+        assert await bus.request("t.sibling", Ping(5), Pong) == Pong(10)
+    finally:
+        await sibling.drain()
+        await bus.drain()

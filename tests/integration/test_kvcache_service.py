@@ -4,6 +4,7 @@ the gateway's /metrics rendering of them."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import orjson
@@ -14,7 +15,7 @@ from services.kvcache.config import KvCacheConfig
 from services.kvcache.service import KvCacheService
 from shared import hashing, subjects
 from shared.bus import Bus
-from shared.kvclient import KvClient
+from shared.kvclient import KvClient, open_client
 from shared.schemas.kv import (
     KvDelete,
     KvDeleteReply,
@@ -130,3 +131,74 @@ async def test_lookup_reports_the_tier_split_and_leases_the_run(nats_url: str, t
         assert "deepinfer_kvcache_up 0.0" in prometheus_client.generate_latest(scraped).decode()
     finally:
         await bus.drain()
+
+
+async def test_runs_past_the_pending_limit_move_in_batches_in_order(nats_server, tmp_path: Path) -> None:
+    """48 MiB of blocks, more than the 32 MiB the server lets one connection have pending: batched puts and
+    pipelined gets with a bounded window get every block there and back in order, with no slow consumer; a
+    hole ends the run; blobs of mixed sizes (replies that fill up early) still come back whole."""
+    config = KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20, ram_bytes=96 << 20,
+                           ssd_bytes=256 << 20, instance="kv-batch")
+    service = KvCacheService(config)
+    bus = await Bus.connect(nats_server.url, "kvcache-batch")
+    try:
+        await service.start(bus)
+        client = KvClient(bus, message_bytes=3 * BLOCK * 4, window_bytes=2 * 3 * BLOCK * 4)
+        big = 4 * BLOCK  # 1 MiB blocks, 3 a message, 2 messages in flight
+        hashes = hashing.block_hashes(list(range(49 * hashing.BLOCK_TOKENS)), hashing.namespace("batch"))
+        blobs = [bytes([i]) * big for i in range(48)]
+        assert await client.put_many(list(zip(hashes, blobs)))
+        assert client.counts["blocks_put"] == 48 and client.counts["puts_failed"] == 0
+        assert await client.get_run(hashes) == blobs  # hashes[48] was never stored
+        assert await client.get_run(hashes[:20] + hashes[48:] + hashes[20:]) == blobs[:20]
+
+        # small blobs first, then big ones too: the first reply carries many, later ones fill up early
+        mixed = [bytes([i]) * (2 * big if i > 10 and i % 2 else BLOCK // 4) for i in range(30)]
+        keys = hashing.block_hashes(list(range(30 * hashing.BLOCK_TOKENS)), hashing.namespace("mixed"))
+        assert await client.put_many(list(zip(keys, mixed)))
+        assert await client.get_run(keys) == mixed
+        assert "Slow Consumer" not in (nats_server.store_dir.parent / "nats.log").read_text(errors="replace")
+    finally:
+        await service.stop()
+        await bus.drain()
+
+
+async def test_same_host_workers_move_the_bytes_through_shared_memory(nats_url: str, tmp_path: Path) -> None:
+    """The shm transport: blocks there and back through the worker's arena, NATS carrying lengths only; a blob
+    bigger than a slot goes over NATS; a store that cannot map the arena turns the path off, and nothing is lost."""
+    service = KvCacheService(KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20,
+                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, instance="kv-shm"))
+    bus = await Bus.connect(nats_url, "kvcache-shm")
+    client = open_client(bus, "shm", f"test-{os.getpid()}", message_bytes=4 * BLOCK, window_bytes=8 * BLOCK)
+    arena = client.arena
+    try:
+        await service.start(bus)
+        assert arena is not None and arena.path.exists()
+        hashes = hashing.block_hashes(list(range(21 * hashing.BLOCK_TOKENS)), hashing.namespace("shm"))
+        blobs = [bytes([i]) * BLOCK for i in range(20)]
+        assert await client.put_many(list(zip(hashes, blobs)))
+        assert await client.get_run(hashes) == blobs
+        assert client.counts["blocks_via_shm"] == 40  # 20 put, 20 got
+        # a run that ends early: the chunks still in flight are dropped, their slots come back once answered
+        holed = hashes[:9] + hashes[20:] + hashes[9:20]
+        assert await client.get_run(holed) == blobs[:9]
+        for _ in range(50):
+            if arena.free_slots == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert arena.free_slots == 3 and arena.lost == 0
+        big = (b"part", b"p" * (6 * BLOCK))  # bigger than a slot: over NATS, both ways
+        assert await client.put_many([big], ttl_s=60.0) and await client.get_run([big[0]]) == [big[1]]
+        assert client.arena is arena and arena.lost == 0 and client.counts["puts_failed"] == 0
+        assert client.counts["blocks_via_shm"] >= 49  # 40 + the 9 of the holed run (cancelled chunks may add some)
+
+        arena.token = b"another host...."  # what a store elsewhere sees: no such arena, or not this one
+        more = [(b"after-%d" % i, bytes([i]) * BLOCK) for i in range(3)]
+        assert await client.put_many(more)
+        assert client.arena is None and client.counts["arena_refused"] == 1
+        assert await client.get_run([k for k, _ in more]) == [b for _, b in more]
+    finally:
+        await service.stop()
+        await bus.drain()
+        arena.close()
+    assert not arena.path.exists()

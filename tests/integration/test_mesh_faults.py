@@ -13,13 +13,18 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from shared.bus import Bus
+from shared.kv_arena import PREFIX, SHM_DIR
 from shared.kvclient import KvClient
+from shared.schemas.workers import HealthReply, HealthRequest
+from shared.service import health_subject
 from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
 
 pytestmark = pytest.mark.slow
@@ -30,9 +35,24 @@ STORY = " ".join(f"Line {i}: the lighthouse keeper counted {i} ships." for i in 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = start_mesh(tmp_path_factory.mktemp("faults"))
+    # KV bytes through shared memory here (the e2e module runs them over NATS): a store killed mid-transfer must
+    # cost the shm path nothing but misses either
+    mesh = start_mesh(tmp_path_factory.mktemp("faults"), env={"DEEPINFER_KV_TRANSPORT": "shm"})
     yield mesh
     mesh.stop()
+    # Every worker removed its arena on the way out (the workers cleared dead ones of their names at start, so a
+    # dead process's arena left now is one of this mesh's).
+    left = [p for p in SHM_DIR.glob(f"{PREFIX}*-0-*") if not Path(f"/proc/{p.name.rsplit('-', 1)[1]}").exists()]
+    assert left == []
+
+
+async def _kv_counts(nats_url: str, role: str) -> dict[str, int]:
+    bus = await Bus.connect(nats_url, "test-health")
+    try:
+        reply = await bus.request(health_subject(role, f"{role}-0"), HealthRequest(), HealthReply, timeout=10)
+        return orjson.loads(reply.detail)["kv"]
+    finally:
+        await bus.drain()
 
 
 async def _long_term_entries(nats_url: str) -> int:
@@ -82,6 +102,8 @@ def test_killing_the_kvcache_service_under_load_fails_no_request(mesh: Mesh) -> 
 
     reasons = asyncio.run(scenario())
     assert len(reasons) == 9 and all(r in ("stop", "length") for r in reasons)
+    for role in ("prefill", "decode"):  # the bytes went through shared memory
+        assert asyncio.run(_kv_counts(mesh.nats_url, role)).get("blocks_via_shm", 0) > 0, role
     assert any("kvcache-0 exited" in line for line in mesh.output)
 
 

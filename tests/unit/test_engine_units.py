@@ -184,6 +184,8 @@ def test_kv_blob_roundtrip_and_size_check() -> None:
     kv.kv.copy_(torch.randn_like(kv.kv, dtype=torch.float32).to(torch.bfloat16))
     blobs = kv.read_blocks([2, 0])
     assert [len(b) for b in blobs] == [spec.paged.bytes_per_block] * 2 == [2 * 2 * BT * 4 * 2] * 2
+    # the layout every device exports (CPU copies rows with numpy, CUDA gathers and permutes): kv[:, :, block]
+    assert blobs[0] == kv.kv[:, :, 2].contiguous().view(torch.uint8).numpy().tobytes()
     other = KVCache(spec, 3, torch.device("cpu"))
     other.write_blocks([1, 0], blobs)
     assert torch.equal(other.kv[:, :, 1], kv.kv[:, :, 2]) and torch.equal(other.kv[:, :, 0], kv.kv[:, :, 0])

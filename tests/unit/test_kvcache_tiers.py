@@ -165,12 +165,12 @@ def test_the_listener_hears_long_term_keys_come_and_go(tmp_path: Path) -> None:
     store.put(b"tail:x", b"t", ttl_s=10)  # short-term: not reported
     store.put(b, blob(1))
     store.delete([a])
-    assert heard.events == [
-        ("stored", "ssd", [a]),
+    assert heard.events == [  # a put makes its RAM copy first (readable at once), then writes its home tier
         ("stored", "ram", [a]),
+        ("stored", "ssd", [a]),
         ("removed", "ram", [a]),  # b's RAM copy took its room
-        ("stored", "ssd", [b]),
         ("stored", "ram", [b]),
+        ("stored", "ssd", [b]),
         ("removed", "ssd", [a]),
     ]
     assert store.long_term_keys() == {"ram": [b], "lmdb": [], "ssd": [b]}
@@ -182,3 +182,46 @@ def test_config_defaults_and_segment_clamp(tmp_path: Path) -> None:
     assert config.ssd_ttl_days == 7.0 and config.tail_ttl_s == 180.0 and config.ram_bytes > 0
     assert config.segment_bytes == 64 << 20
     assert KvCacheConfig(tmp_path, ssd_bytes=8 << 20).segment_bytes == 1 << 20
+
+
+# --- the event loop's RAM path (hot_run / hot_lookup / put_hot + put_home) -------------------------------------------
+
+
+def test_a_run_is_served_from_ram_then_read_on_from_disk(tmp_path: Path) -> None:
+    store = open_store(tmp_path, Clock(), ram_blocks=3)
+    keys = chain(6)
+    for i, key in enumerate(keys[:5]):
+        assert store.put(key, blob(i))  # RAM keeps the last 3, SSD all 5
+    hot, at_miss = store.hot_run(keys[2:], max_bytes=2 * SIZE, first_bytes=2 * SIZE)
+    assert hot == [blob(2), blob(3)] and not at_miss  # stopped by the byte budget, not by a miss
+    big, _ = store.hot_run(keys[4:], max_bytes=1, first_bytes=SIZE)
+    assert big == [blob(4)]  # the first blob may exceed the soft budget (a part bigger than a batch goes alone)
+    run, at_miss = store.hot_run(keys, max_bytes=10 * SIZE, first_bytes=10 * SIZE)
+    assert run == [] and at_miss  # the first two left RAM: the run's start is on disk
+    run, at_miss = store.read_run(keys, max_bytes=10 * SIZE, first_bytes=10 * SIZE)
+    assert run == [blob(i) for i in range(5)] and at_miss  # keys[5] was never stored: the run ends there
+    store.close()
+
+
+def test_hot_lookup_answers_only_when_ram_holds_the_whole_run(tmp_path: Path) -> None:
+    store = open_store(tmp_path, Clock(), ram_blocks=2)
+    keys = chain(3)
+    for i, key in enumerate(keys):
+        store.put(key, blob(i))
+    assert store.hot_lookup(keys) is None  # keys[0] is only on SSD: the disk must be asked
+    run = store.hot_lookup(keys[1:], lease_s=5.0)
+    assert run is not None and run.hits == 2 and run.by_tier["ram"] == 2 and run.lease_s == 5.0
+    assert store.lookup(keys).hits == 3
+    store.close()
+
+
+def test_a_put_whose_home_refuses_it_leaves_no_ram_copy(tmp_path: Path) -> None:
+    store = open_store(tmp_path, Clock(), ssd_blocks=1)
+    key = chain(1)[0]
+    too_big = b"x" * (4 * SSD_RECORD)
+    expires_at = store.put_hot(key, too_big)
+    assert expires_at == 0.0 and store.hot_run([key], 1 << 20, 1 << 20)[0] == [too_big]  # readable at once
+    assert not store.put_home(key, too_big, expires_at)
+    assert store.hot_run([key], 1 << 20, 1 << 20) == ([], True) and store.get([key]) == [None]
+    assert store.put_hot(b"", b"x") is None  # a bad key is refused up front
+    store.close()

@@ -1,0 +1,362 @@
+"""The KV data plane, prefill -> kvcache -> decode, against the host's own ceilings measured in the same run.
+
+    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--transport nats|shm] [--out FILE]
+
+Real parts: a private nats-server (the launcher's config: 8 MiB payloads, 32 MiB pending per connection), the
+kvcache service as its own process (`python -m services.kvcache`, RAM + SSD tiers under a temp dir), the
+workers' KvClient on its own connection, and the engines' own caches for export / import (`read_blocks` /
+`write_blocks` on CPU tensors):
+
+    llama   SmolLM2-135M's layout: 30 layers x 2 x 16 tokens x 3 KV heads x 64, float32 (737,280 bytes a block)
+    v4      V4-Flash widths at full depth: 43 layers (2 HCA, then CSA / HCA interleaved), 128-token blocks,
+            bfloat16 compressed entries + indexer keys (842,752 bytes a block)
+
+Per layout (export / import: read_blocks / write_blocks alone, the engine's share of (a) / (b)):
+    (a) export + put     read_blocks of the run, then KvClient.put_many (every block long-term)
+    (b) get + import     KvClient.get_run of the run (served from the store's RAM tier), then write_blocks
+    (c) hand-over        (a) then a lookup and (b): what lies between prefill's first token and decode's first
+                         step on the store path (routing and the engine's own step excluded)
+    1 block latency      (a) and (b) for one block, median of --repeat
+
+Ceilings, same bytes, same run:
+    memcpy       one host-memory copy of the run's bytes (numpy copyto into a preallocated buffer)
+    disk write   the run's bytes written to one file in 8 MiB writes, fsync'ed
+    disk read    read back in 8 MiB reads after dropping its pages from the page cache (posix_fadvise)
+    nats         the transport alone: the run's bytes as 4 MiB request/replies (one at a time, a 2-byte answer)
+                 between two plain nats.py connections on the same server: what Python and NATS carry at best
+
+The store path's health in the same run: puts that failed, blocks decode would not get back, and slow-consumer
+disconnects in the nats-server log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import nats
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared import natsserver  # noqa: E402
+from shared.bus import Bus, BusTimeout  # noqa: E402
+from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
+from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
+from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
+from shared.kvclient import KvClient  # noqa: E402
+from shared.schemas.workers import HealthReply, HealthRequest  # noqa: E402
+from shared.service import health_subject  # noqa: E402
+
+MiB = 1 << 20
+CHUNK = 8 * MiB
+INSTANCE = "kvcache-bench"
+
+
+class Cache(Protocol):
+    """What the bench needs of an engine's cache: blocks out as blobs, blobs in as blocks."""
+
+    block_bytes: int
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]: ...
+
+    def write_blocks(self, blocks: list[int], blobs: list[bytes]) -> None: ...
+
+
+def llama_cache(blocks: int) -> KVCache:
+    spec = CacheSpec(PagedSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_tokens=16, dtype=torch.float32), 0)
+    cache = KVCache(spec, blocks, torch.device("cpu"))
+    cache.kv.uniform_()  # real numbers, not pages of zeros the kernel may share
+    return cache
+
+
+def v4_spec() -> DeepseekV4Spec:
+    n = 43
+    kinds = (HCA, HCA, *(CSA if i % 2 else HCA for i in range(n - 2)))
+    return DeepseekV4Spec(
+        vocab_size=1024, hidden_size=4096, num_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1024,
+        o_groups=8, o_lora_rank=1024, window=128, index_heads=64, index_head_dim=128, index_topk=512,
+        num_experts=256, experts_per_token=6, num_shared_experts=1, moe_intermediate=2048,
+        num_layers=n, kinds=kinds, ratios=tuple(4 if k == CSA else 128 for k in kinds), hash_layers=0,
+        scoring="sqrtsoftplus", norm_topk_prob=True, routed_scale=1.5, swiglu_limit=10.0, hc_mult=4, hc_iters=20,
+        hc_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0, compress_rope_scaling=None, rms_eps=1e-6,
+        max_position=1 << 20, num_mtp_layers=0, mtp_kinds=(), mtp_ratios=())
+
+
+def v4_cache(blocks: int) -> V4Cache:
+    cache = V4Cache(v4_spec(), blocks, torch.device("cpu"), torch.bfloat16)
+    for t in cache._paged:  # noqa: SLF001 - fill every long-term tensor
+        t.uniform_()
+    return cache
+
+
+LAYOUTS: dict[str, tuple[int, Callable[[int], Cache]]] = {"llama": (16, llama_cache), "v4": (128, v4_cache)}
+
+
+@dataclass
+class Row:
+    layout: str
+    tokens: int
+    blocks: int
+    nbytes: int
+    memcpy_s: float
+    disk_write_s: float
+    disk_read_s: float
+    nats_s: float
+    export_s: float  # read_blocks alone, inside (a)
+    import_s: float  # write_blocks alone, inside (b)
+    put_s: float  # (a)
+    get_s: float  # (b)
+    handover_s: float  # (c)
+    one_put_s: float
+    one_get_s: float
+    failed_puts: int
+    missing_gets: int
+
+
+# --- ceilings ------------------------------------------------------------------------------------------------------
+
+
+def memcpy_s(nbytes: int, repeat: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def disk_s(directory: Path, nbytes: int) -> tuple[float, float]:
+    """(write + fsync, cold read) of `nbytes` in 8 MiB pieces."""
+    path = directory / "raw.bin"
+    piece = os.urandom(CHUNK)
+    os.sync()
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for at in range(0, nbytes, CHUNK):
+            f.write(piece[: min(CHUNK, nbytes - at)])
+        os.fsync(f.fileno())
+    write = time.perf_counter() - started
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        started = time.perf_counter()
+        while os.read(fd, CHUNK):
+            pass
+        read = time.perf_counter() - started
+    finally:
+        os.close(fd)
+    path.unlink()
+    return write, read
+
+
+async def nats_s(url: str, nbytes: int) -> float:
+    """The run's bytes through NATS as 4 MiB requests, serially (a transport ceiling: no codec, no store)."""
+    piece = os.urandom(4 * MiB)
+    sender, receiver = await nats.connect(url), await nats.connect(url)
+    try:
+        async def echo(msg: nats.aio.msg.Msg) -> None:
+            await msg.respond(b"ok")
+
+        await receiver.subscribe("bench.ceiling", cb=echo)
+        await receiver.flush()
+        started = time.perf_counter()
+        for at in range(0, nbytes, len(piece)):
+            await sender.request("bench.ceiling", piece[: min(len(piece), nbytes - at)], timeout=30)
+        return time.perf_counter() - started
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+# --- the store path ------------------------------------------------------------------------------------------------
+
+
+async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: int, directory: Path) -> Row:
+    block_tokens, make = LAYOUTS[layout]
+    n = tokens // block_tokens
+    src, dst = make(n), make(n)
+    blocks = list(range(n))
+    keys = [os.urandom(16) for _ in blocks]  # fresh keys: every put is new to the store
+    nbytes = n * src.block_bytes
+
+    started = time.perf_counter()
+    blobs = src.read_blocks(blocks)
+    export_s = time.perf_counter() - started
+    stored = await kv.put_many(list(zip(keys, blobs)))
+    put_s = time.perf_counter() - started
+    failed = 0 if stored else await count_missing(kv, keys)
+
+    started = time.perf_counter()
+    await kv.lookup_run(keys)
+    got = await kv.get_run(keys)
+    imported = time.perf_counter()
+    dst.write_blocks(blocks[: len(got)], got)
+    import_s = time.perf_counter() - imported
+    get_s = time.perf_counter() - started
+    assert all(a == b for a, b in zip(got, blobs)), "a block came back different"
+
+    one_put, one_get = [], []
+    for _ in range(repeat):
+        key = os.urandom(16)
+        started = time.perf_counter()
+        ok = await kv.put_many([(key, src.read_blocks([0])[0])])
+        one_put.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        (blob,) = await kv.get_run([key]) or [b""]
+        if ok and blob:
+            dst.write_blocks([0], [blob])
+        one_get.append(time.perf_counter() - started)
+    got_back = len(got)
+    del src, dst, blobs, got
+    mem = memcpy_s(nbytes, repeat)
+    write, read = disk_s(directory, nbytes)
+    wire = await nats_s(url, nbytes)
+    return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, put_s, get_s, put_s + get_s,
+               statistics.median(one_put), statistics.median(one_get), failed, n - got_back)
+
+
+async def count_missing(kv: KvClient, keys: list[bytes]) -> int:
+    """Blocks of `keys` the store does not hold (asked a few at a time: the store may be recovering)."""
+    missing = 0
+    for at in range(0, len(keys), 8):
+        for blob in await kv.get_many(keys[at : at + 8]):
+            missing += blob is None
+    return missing
+
+
+# --- the run -------------------------------------------------------------------------------------------------------
+
+
+async def wait_ready(bus: Bus, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            reply = await bus.request(health_subject("kvcache", INSTANCE), HealthRequest(), HealthReply, timeout=1.0)
+            if reply.ready:
+                return
+        except BusTimeout:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError("the kvcache service did not come up")
+
+
+async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
+    server = natsserver.start(work / "nats", log_file=work / "nats.log")
+    kvcache = subprocess.Popen(
+        [sys.executable, "-m", "services.kvcache", "--nats-url", server.url, "--state-dir", str(work),
+         "--instance", INSTANCE, "--ram-bytes", str(args.ram_mib * MiB), "--ssd-bytes", str(4 * args.ram_mib * MiB)],
+        stdout=open(work / "kvcache.log", "wb"), stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    bus = await Bus.connect(server.url, "bench")
+    try:
+        await wait_ready(bus)
+        sizes = {k: int(v * MiB) for k, v in (("message_bytes", args.message_mib), ("window_bytes", args.window_mib))
+                 if v is not None}  # only when asked: the client before batching took neither
+        if args.transport != "nats":
+            from shared.kvclient import open_client
+
+            kv = open_client(bus, args.transport, "bench", **sizes)
+        else:
+            kv = KvClient(bus, **sizes)
+        rows = []
+        for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens)):
+            if tokens:
+                rows.append(await store_path(kv, server.url, layout, tokens, args.repeat, work))
+                print(f"  {layout} {tokens} tokens done", file=sys.stderr, flush=True)
+        if getattr(kv, "arena", None) is not None:
+            kv.arena.close()
+    finally:
+        await bus.drain()
+        kvcache.terminate()
+        kvcache.wait(30)
+        server.stop()
+    slow = (work / "nats.log").read_text(errors="replace").count("Slow Consumer")
+    return rows, slow
+
+
+def rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e6:,.0f} MB/s" if seconds > 0 else "-"
+
+
+def table(rows: list[Row], slow: int) -> str:
+    lines = [
+        "| layout | tokens | blocks | MB | memcpy | disk write | disk read | nats | export | import "
+        "| (a) export+put | (b) get+import "
+        "| (c) hand-over | (c) / memcpy | (c) / nats | 1 block put | 1 block get | failed puts | blocks not got back |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.layout} | {r.tokens} | {r.blocks} | {r.nbytes / 1e6:,.0f} | {rate(r.nbytes, r.memcpy_s)} "
+            f"| {rate(r.nbytes, r.disk_write_s)} | {rate(r.nbytes, r.disk_read_s)} | {rate(r.nbytes, r.nats_s)} "
+            f"| {rate(r.nbytes, r.export_s)} | {rate(r.nbytes, r.import_s)} "
+            f"| {r.put_s * 1e3:,.0f} ms ({rate(r.nbytes, r.put_s)}) "
+            f"| {r.get_s * 1e3:,.0f} ms ({rate(r.nbytes, r.get_s)}) "
+            f"| {r.handover_s * 1e3:,.0f} ms ({rate(r.nbytes, r.handover_s)}) | {r.handover_s / r.memcpy_s:,.0f}x "
+            f"| {r.handover_s / r.nats_s:,.1f}x "
+            f"| {r.one_put_s * 1e3:.1f} ms | {r.one_get_s * 1e3:.1f} ms | {r.failed_puts} | {r.missing_gets} |"
+        )
+    lines.append(f"\nSlow-consumer disconnects in the nats-server log: {slow}")
+    return "\n".join(lines)
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-tokens", type=int, default=8192, help="prompt length, Llama layout (0: skip)")
+    parser.add_argument("--v4-tokens", type=int, default=77824, help="prompt length, V4 layout (0: skip)")
+    parser.add_argument("--repeat", type=int, default=5, help="one-block latencies: median of this many")
+    parser.add_argument("--message-mib", type=float, default=None, help="KvClient: blobs per batch message, MiB")
+    parser.add_argument("--window-mib", type=float, default=None, help="KvClient: batches in flight, MiB")
+    parser.add_argument("--transport", default="nats", help="KV bytes over nats, or shm (shared memory)")
+    parser.add_argument("--ram-mib", type=int, default=1536, help="the store's RAM tier, MiB")
+    parser.add_argument("--dir", type=Path, default=None, help="where the store and the disk probe write")
+    parser.add_argument("--label", default="", help="a name for this run in the output (before / after)")
+    parser.add_argument("--out", type=Path, default=None, help="append the table to this markdown file")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kv-path-", dir=args.dir))
+    try:
+        rows, slow = asyncio.run(run(args, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = (f"## {args.label or 'kv path'} ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n\n"
+            f"{hardware()}\n\n{table(rows, slow)}\n")
+    print(text)
+    if args.out is not None:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
