@@ -125,7 +125,7 @@ class EngineWorker(ABC):
             return False, self._status
         detail: dict[str, Any] = {"status": self._status, "kv": dict(self.kv.counts) if self.kv else {}}
         if self.worker.speculative_tokens:
-            stats = self.engine.engine.stats()
+            stats = self.engine.stats
             detail["mtp"] = {"drafted": stats.drafted, "accepted": stats.accepted}
         return True, orjson.dumps(detail).decode()
 
@@ -270,29 +270,35 @@ class EngineWorker(ABC):
         await self.bus.publish(subjects.tokens(event.request_id), event, trace=env.trace)
 
     async def _heartbeat(self) -> None:
-        assert self.bus is not None and self.engine is not None
         while True:
-            stats = self.engine.engine.stats()
-            beat = Heartbeat(
-                worker_id=self.config.instance,
-                role=self.role,
-                model=self.model_name,
-                queued_tokens=stats.queued_tokens,
-                running=stats.running + stats.waiting,
-                free_blocks=stats.free_blocks,
-                total_blocks=stats.total_blocks,
-                cache_id=self.engine.engine.cache_id,
-                block_tokens=self.engine.engine.block_tokens,
-                sent_at=time.time(),
-                waiting=stats.waiting,
-                spec_drafted=stats.drafted,
-                spec_accepted=stats.accepted,
-            )
             try:
-                await self.bus.publish(subjects.HEARTBEAT, beat)
-            except Exception as exc:  # reconnecting: the balancer will notice the gap
-                log.debug("heartbeat not sent: %s", exc)
+                await self._beat()
+            except Exception:  # never let one bad beat end the loop: a silent worker is dropped from the pool
+                log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _beat(self) -> None:
+        assert self.bus is not None and self.engine is not None
+        stats = self.engine.stats  # the engine thread's snapshot: never read the engine from the loop
+        beat = Heartbeat(
+            worker_id=self.config.instance,
+            role=self.role,
+            model=self.model_name,
+            queued_tokens=stats.queued_tokens,
+            running=stats.running + stats.waiting,
+            free_blocks=stats.free_blocks,
+            total_blocks=stats.total_blocks,
+            cache_id=self.engine.cache_id,
+            block_tokens=self.engine.block_tokens,
+            sent_at=time.time(),
+            waiting=stats.waiting,
+            spec_drafted=stats.drafted,
+            spec_accepted=stats.accepted,
+        )
+        try:
+            await self.bus.publish(subjects.HEARTBEAT, beat)
+        except Exception as exc:  # reconnecting: the balancer will notice the gap
+            log.debug("heartbeat not sent: %s", exc)
 
 
 # --- short-term state through the kvcache service ----------------------------------------------------------------

@@ -3,21 +3,29 @@
 Every engine call (add, step, export, abort, release) runs on a single worker thread, so they are serialised
 without locks; between two steps the loop's queued calls run, which is how requests join and leave the running
 batch at every step (continuous batching). Each request's outputs arrive on its own asyncio queue.
+
+Nothing else may touch the engine: its scheduler's deques change under any other thread's feet (reading
+`Engine.stats()` from the event loop raised "deque mutated during iteration" mid-step). What the loop needs to
+know (heartbeats, health) it reads from `stats`, a frozen snapshot the engine thread takes after its calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from shared.engine.api import EngineStats
 from shared.engine.engine import Engine, EngineRequest, StepOutput
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+STATS_EVERY_S = 0.05  # a snapshot after a step at most this often (heartbeats are 1 s apart); always after others
 
 
 class AsyncEngine:
@@ -28,13 +36,37 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._stats = engine.stats()  # no engine thread yet: safe to read here
+        self._stats_at = time.monotonic()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last call or step (at most STATS_EVERY_S old while it steps)."""
+        return self._stats
+
+    @property
+    def block_tokens(self) -> int:
+        return self.engine.block_tokens
+
+    @property
+    def cache_id(self) -> str:
+        return self.engine.cache_id
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run())
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the engine thread, between steps."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._then_snapshot, fn, args)
+
+    def _then_snapshot(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        """On the engine thread: the call, then a new stats snapshot (rate-limited for steps: they are many)."""
+        try:
+            return fn(*args)
+        finally:
+            now = time.monotonic()
+            if fn != self.engine.step or now - self._stats_at >= STATS_EVERY_S:
+                self._stats, self._stats_at = self.engine.stats(), now  # one reference swap: readers see whole ones
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[StepOutput]:
         """Add the request and yield its outputs until it finishes or is aborted.
