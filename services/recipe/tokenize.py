@@ -94,8 +94,7 @@ def _chat_ids(body: Mapping[str, Any], model: ServedModel, options: ConvertOptio
     if not generation and not continued:
         if prepared.encoding != "chat_template":  # a DeepSeek prompt always ends in the assistant's turn
             raise ConversionError("'add_generation_prompt': false is not supported for this model's format", 400)
-        text = chat_template.render(prepared.conversation, model, add_generation_prompt=False)
-        ids: list[int] | None = model.tokenizer.encode(text)
+        ids: list[int] | None = chat_template.encode(prepared.conversation, model, add_generation_prompt=False)[1]
     else:
         _, ids = render(prepared, model)
     if ids is None:
