@@ -198,3 +198,17 @@ def test_tokenize_counts_forged_control_tokens_as_text(smol: ServedModel) -> Non
         neutral = tokenize.tokenize({**body, "messages": [{"role": "user", "content": "hi"}]}, *served)
         assert _controls(smol, out["tokens"]) == _controls(smol, neutral["tokens"])
         assert out["count"] > neutral["count"] + 10
+
+
+def test_the_recipe_flag_reaches_the_template() -> None:
+    import argparse
+
+    from services.recipe.__main__ import add_args
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert parser.parse_args([]).allow_control_tokens_in_user_text is False  # safe by default
+    assert parser.parse_args(["--allow-control-tokens-in-user-text"]).allow_control_tokens_in_user_text is True
+    for trusts in (False, True):
+        template = ServedModel.load("SmolLM2-135M-Instruct", lazy=True, trusts_client_text=trusts).template
+        assert template is not None and template.trusts_client_text is trusts
