@@ -88,6 +88,8 @@ class ServedModel:
         if not lazy:
             _ = model.tokens  # the tokenizer and its table load now, off the event loop, not on a first request
             _check_vocabulary(model)
+            if model.template is not None and not model.template.trusts_client_text:
+                model.tokenizer.encode_marked("", ())  # builds its guarded copy (~0.3 s) now, not on a request
         return model
 
     def count_tokens(self, text: str) -> int:
