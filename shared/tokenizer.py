@@ -109,27 +109,26 @@ class _Guard:
     """The tokenizer with each control token respelled as a sentinel no text contains (private-use characters
     around a per-process random number): text spelling `<|im_end|>` is then plain BPE, and a sentinel put where
     the template wrote a control token is matched as an added token at the same place, with the same
-    lstrip/rstrip, as the original spelling. Sentinels get new ids past the vocabulary; `original` maps back."""
+    lstrip/rstrip, as the original spelling. Rebuilt, the added tokens get ids anew (sentinels and any added token
+    outside the model's vocabulary, past it, in order); `original` maps each back to the id it has in `tk`."""
 
     tk: tokenizers.Tokenizer
     spelling: dict[str, str]  # control text -> its sentinel
-    original: dict[int, int]  # sentinel id -> control token id
+    original: dict[int, int]  # added token's id here -> its id in the original
 
     @classmethod
     def of(cls, tk: tokenizers.Tokenizer, special_ids: frozenset[int]) -> _Guard:
         data = orjson.loads(tk.to_str())
         nonce = secrets.randbelow(10**12)
-        sentinels: dict[str, int] = {}  # sentinel -> control token id
         spelling: dict[str, str] = {}
         for token in data["added_tokens"]:
             if token["id"] in special_ids:
                 sentinel = f"\ue000{nonce}.{token['id']}\ue001"
                 spelling[token["content"]] = sentinel
-                sentinels[sentinel] = token["id"]
                 token["content"] = sentinel
         guarded = tokenizers.Tokenizer.from_str(orjson.dumps(data).decode())
-        original = {guarded.token_to_id(s): i for s, i in sentinels.items()}
-        assert None not in original, "every sentinel is an added token of the guarded tokenizer"
+        original = {guarded.token_to_id(t["content"]): t["id"] for t in data["added_tokens"]}
+        assert None not in original, "every added token is one of the guarded tokenizer"
         return cls(guarded, spelling, original)
 
 
