@@ -10,6 +10,9 @@ Two sources:
 
 `encode` maps special-token text (e.g. `<|im_start|>`) to its id, as HF does when it tokenizes a rendered
 chat template (add_special_tokens=False: the template writes BOS itself when the model wants one).
+`encode_marked` is the injection-safe form for a rendered chat template: only the spans the caller marks (the
+template's own) become control tokens, so client text that spells `<|im_end|>` stays the ordinary pieces of
+those characters.
 `token_bytes` gives the exact bytes a token stands for, so a streaming detokenizer can join them and never
 emit half a UTF-8 character.
 """
@@ -17,9 +20,10 @@ emit half a UTF-8 character.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+import secrets
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,31 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
 
+    @cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The control tokens' spellings, longest first (so one that contains another is matched whole)."""
+        added = self.tk.get_added_tokens_decoder()
+        return tuple(sorted({added[i].content for i in self.special_ids if i in added}, key=len, reverse=True))
+
+    def encode_marked(self, text: str, control_ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """`text` with exactly `control_ranges` (ascending [start, end) offsets, each one control token's
+        spelling) read as control tokens and everything else as text, in ONE encode: the template's tokens split
+        the text where `encode` splits it, so a prompt whose other text spells no control token gets `encode`'s
+        ids, and merges and a Metaspace prefix fall as they would there."""
+        guard = self._guard
+        parts: list[str] = []
+        pos = 0
+        for start, end in control_ranges:
+            parts += [text[pos:start], guard.spelling[text[start:end]]]
+            pos = end
+        parts.append(text[pos:])
+        ids = guard.tk.encode("".join(parts), add_special_tokens=False).ids
+        return [guard.original.get(i, i) for i in ids]
+
+    @cached_property
+    def _guard(self) -> _Guard:
+        return _Guard.of(self.tk, self.special_ids)
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special)
 
@@ -73,6 +102,34 @@ class Tokenizer:
 
     def token_id(self, text: str) -> int | None:
         return self.tk.token_to_id(text)
+
+
+@dataclass(frozen=True)
+class _Guard:
+    """The tokenizer with each control token respelled as a sentinel no text contains (private-use characters
+    around a per-process random number): text spelling `<|im_end|>` is then plain BPE, and a sentinel put where
+    the template wrote a control token is matched as an added token at the same place, with the same
+    lstrip/rstrip, as the original spelling. Rebuilt, the added tokens get ids anew (sentinels and any added token
+    outside the model's vocabulary, past it, in order); `original` maps each back to the id it has in `tk`."""
+
+    tk: tokenizers.Tokenizer
+    spelling: dict[str, str]  # control text -> its sentinel
+    original: dict[int, int]  # added token's id here -> its id in the original
+
+    @classmethod
+    def of(cls, tk: tokenizers.Tokenizer, special_ids: frozenset[int]) -> _Guard:
+        data = orjson.loads(tk.to_str())
+        nonce = secrets.randbelow(10**12)
+        spelling: dict[str, str] = {}
+        for token in data["added_tokens"]:
+            if token["id"] in special_ids:
+                sentinel = f"\ue000{nonce}.{token['id']}\ue001"
+                spelling[token["content"]] = sentinel
+                token["content"] = sentinel
+        guarded = tokenizers.Tokenizer.from_str(orjson.dumps(data).decode())
+        original = {guarded.token_to_id(t["content"]): t["id"] for t in data["added_tokens"]}
+        assert None not in original, "every added token is one of the guarded tokenizer"
+        return cls(guarded, spelling, original)
 
 
 def load_tokenizer(files: ModelFiles) -> Tokenizer:

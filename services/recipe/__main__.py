@@ -40,6 +40,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a Responses API response created with `store` is kept for previous_response_id and "
         "GET /v1/responses/{id} (shared by every recipe instance, kept across restarts)",
     )
+    parser.add_argument(
+        "--allow-control-tokens-in-user-text", action="store_true",
+        default=env("DEEPINFER_ALLOW_CONTROL_TOKENS_IN_USER_TEXT", "") == "1",
+        help="chat-template models: read control tokens spelled in client text (<|im_end|>...) as control tokens, "
+        "as vLLM does; unsafe (a user can forge turns). By default they are encoded as text",
+    )
 
 
 def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
@@ -48,7 +54,8 @@ def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
     if args.response_ttl <= 0:
         raise ValueError(f"--response-ttl must be positive, got {args.response_ttl}")
     return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace, response_ttl_s=args.response_ttl,
-                         served_names=config.served_model_names, max_model_len=config.max_model_len)
+                         served_names=config.served_model_names, max_model_len=config.max_model_len,
+                         trust_client_control_tokens=args.allow_control_tokens_in_user_text)
 
 
 if __name__ == "__main__":

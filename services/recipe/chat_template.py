@@ -61,7 +61,12 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
+                 trusts_client_text: bool = False) -> None:
+        """`trusts_client_text`: control tokens spelled in client text are read as control tokens (the unsafe
+        old reading, --allow-control-tokens-in-user-text); by default they are text
+        (`services.recipe.formats.chat_template.encode`)."""
+        self.trusts_client_text = trusts_client_text
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:

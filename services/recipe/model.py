@@ -66,11 +66,13 @@ class ServedModel:
         return TokenTable.from_tokenizer(self.tokenizer)
 
     @classmethod
-    def load(cls, spec: str, *, lazy: bool = False, name: str | None = None, max_len: int | None = None
-             ) -> ServedModel:
+    def load(cls, spec: str, *, lazy: bool = False, name: str | None = None, max_len: int | None = None,
+             trusts_client_text: bool = False) -> ServedModel:
         """Blocking (reads files; a cold GGUF takes seconds, a V4 tokenizer about a second): call it off the event
         loop. `lazy` leaves the tokenizer and its table to their first use (the offline CLI). `name` serves it
-        under another name (--served-model-name), `max_len` under a shorter context (--max-model-len)."""
+        under another name (--served-model-name), `max_len` under a shorter context (--max-model-len);
+        `trusts_client_text` reads control tokens a client spells as control tokens (chat templates only:
+        --allow-control-tokens-in-user-text)."""
         files = resolve(spec)
         info = load_model_info(files)
         if info.context_length <= 0:
@@ -80,24 +82,27 @@ class ServedModel:
         info = replace(info, name=name or info.name, context_length=max_len or info.context_length)
         encoding = prompt_format(info)
         if encoding == "chat_template":
-            model = cls(info, encoding, _template(info), None, lambda: load_tokenizer(files))
+            model = cls(info, encoding, _template(info, trusts_client_text), None, lambda: load_tokenizer(files))
         else:  # "v4": the only DeepSeek format a tokenizer exists for (V4.1 needs a <｜System｜> token)
             model = cls(info, encoding, None, _v4_encoder(files), lambda: load_v4_tokenizer(files))
         if not lazy:
             _ = model.tokens  # the tokenizer and its table load now, off the event loop, not on a first request
             _check_vocabulary(model)
+            if model.template is not None and not model.template.trusts_client_text:
+                model.tokenizer.encode_marked("", ())  # builds its guarded copy (~0.3 s) now, not on a request
         return model
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
 
-def _template(info: ModelInfo) -> ChatTemplate | None:
+def _template(info: ModelInfo, trusts_client_text: bool) -> ChatTemplate | None:
     if not info.chat_template:
         return None
     from services.recipe.chat_template import ChatTemplate
 
-    return ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
+    return ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token,
+                        trusts_client_text=trusts_client_text)
 
 
 def _v4_encoder(files: ModelFiles) -> PromptEncoder:

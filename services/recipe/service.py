@@ -58,11 +58,13 @@ class RecipeService:
     def __init__(
         self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0,
         response_ttl_s: float = DEFAULT_TTL_S, served_names: Sequence[str] = (), max_model_len: int | None = None,
+        trust_client_control_tokens: bool = False,
     ) -> None:
         """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load
         in `start`, off the event loop. `response_ttl_s`: how long a stored response is kept. `served_names` (one
         model only): the names clients call it by, the first also the name the workers serve it under;
-        `max_model_len`: every model's context, capped."""
+        `max_model_len`: every model's context, capped. `trust_client_control_tokens`: chat templates read control
+        tokens spelled in client text as control tokens (--allow-control-tokens-in-user-text; unsafe)."""
         if not model_specs:
             raise ValueError("the recipe needs at least one model")
         if served_names and len(model_specs) != 1:
@@ -70,6 +72,7 @@ class RecipeService:
         self._specs = list(model_specs)
         self._served_names = list(served_names)
         self._max_model_len = max_model_len
+        self._trust_client_control_tokens = trust_client_control_tokens
         self._ttl_s = ttl_s
         self._stop_grace_s = stop_grace_s
         self._response_ttl_s = response_ttl_s
@@ -95,7 +98,8 @@ class RecipeService:
         self._status = f"loading {', '.join(self._specs)}"
         name = self._served_names[0] if self._served_names else None
         models = await asyncio.gather(
-            *(asyncio.to_thread(ServedModel.load, s, name=name, max_len=self._max_model_len) for s in self._specs)
+            *(asyncio.to_thread(ServedModel.load, s, name=name, max_len=self._max_model_len,
+                                trusts_client_text=self._trust_client_control_tokens) for s in self._specs)
         )
         self._models = {m.name: m for m in models} | {alias: models[0] for alias in self._served_names[1:]}
         self._options = ConvertOptions(models={alias: m.encoding for alias, m in self._models.items()})

