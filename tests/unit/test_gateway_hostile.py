@@ -127,5 +127,9 @@ async def test_parser_errors_are_answered_in_openai_error_json() -> None:
             error = orjson.loads(body)["error"]
             assert error["type"] == "invalid_request_error", name
             assert error["message"].startswith("the HTTP request is malformed: "), name
+        # brotli and zstd need packages the gateway does not install: refused with the headers, before the body
+        status, head, body = await raw_exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\n" + host
+                                                + b"Content-Encoding: br\r\nContent-Length: 2\r\n\r\n{}")
+        assert status == 415 and "Content-Encoding is not supported" in orjson.loads(body)["error"]["message"]
     finally:
         await runner.cleanup()
