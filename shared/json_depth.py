@@ -2,8 +2,8 @@
 
 Every walk over client JSON (schema checks, strict normalization, renderers, serializers) is recursive, and
 Python's recursion limit (1,000 frames) is reached long before orjson's own (1,024 levels, a parse error). A body
-nested deeper than `MAX_JSON_DEPTH` is refused once, where it arrives, so no walk after it can overflow: each
-level of JSON costs a walk at most a few frames.
+nested deeper than `MAX_JSON_DEPTH` is refused where it arrives (the gateway, the recipe), so no walk after it
+can overflow: each level of JSON costs a walk at most a few frames.
 """
 
 from __future__ import annotations

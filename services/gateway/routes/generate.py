@@ -71,7 +71,7 @@ async def read_json(request: web.Request, max_bytes: int) -> tuple[bytes, dict[s
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large
     try:
-        # aiohttp decompresses a Content-Encoding (gzip, deflate, br) as it reads; client_max_size counts the
+        # aiohttp decompresses a Content-Encoding (gzip, deflate) as it reads; client_max_size counts the
         # decompressed bytes, so neither a chunked body nor a zip bomb gets past max_bytes.
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
