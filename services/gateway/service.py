@@ -12,6 +12,7 @@ from aiohttp import web
 
 from services.gateway.app import PUMPS, READINESS, build_app
 from services.gateway.config import GatewayConfig
+from services.gateway.protocol import ApiRunner
 from services.gateway.routes.ops import Readiness
 from services.gateway.streaming import Pumps
 from shared.bus import Bus
@@ -45,7 +46,7 @@ class GatewayService:
     async def start(self, bus: Bus) -> None:
         app = build_app(bus, self._config, self._models)
         # handler_cancellation: a client that hangs up cancels its handler at once, which sends the Cancel.
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
+        runner = ApiRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
         await runner.setup()
         await web.TCPSite(runner, self._config.host, self._config.port).start()
         self._runner, self._pumps, self._readiness = runner, app[PUMPS], app[READINESS]

@@ -55,6 +55,12 @@ class ServedModel:
     def context_length(self) -> int:
         return self.info.context_length
 
+    @property
+    def vocab_size(self) -> int:
+        """The token ids a prompt may hold: the model's embedding size where known (what the engine accepts),
+        else the tokenizer's."""
+        return self.info.vocab_size if self.info.vocab_size > 0 else self.tokenizer.vocab_size
+
     @cached_property
     def tokenizer(self) -> Tokenizer:
         """Loaded by `load` unless lazy (rendering a DeepSeek prompt needs only the encoder)."""

@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 from services.recipe.apis.errors import ApiError, error_for, openai_error
 from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
 from services.recipe.convert.fields import check_min_tokens
-from services.recipe.convert.limits import resolve_max_tokens
+from services.recipe.convert.limits import check_prompt, check_token_ids, resolve_max_tokens
 from services.recipe.emit.processor import OutputProcessor
 from services.recipe.flight import Flight, Output
 from services.recipe.formats import render
@@ -36,6 +36,7 @@ from services.recipe.queries import Queries
 from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
 from shared import subjects
 from shared.bus import Bus, Envelope
+from shared.json_depth import depth_message
 from shared.presence import announce_forever
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel, GenerateRequest, SamplingParams, TokenEvent
@@ -164,6 +165,9 @@ class RecipeService:
             prepared, model, prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, req.api, body)
         except ConversionError as exc:
             return _refuse(api_error(req.api, exc))
+        except RecursionError:  # a walk the depth limit did not bound: still the client's nesting, not our bug
+            log.warning("%s: prepare recursed too deeply", req.request_id)
+            return _refuse(api_error(req.api, ConversionError(depth_message())))
         except Exception:  # a codec bug: the client still gets an answer in its API's format, not a timeout
             log.exception("%s: prepare failed", req.request_id)
             return _refuse(error_for(req.api, 500, "internal error while preparing the request"))
@@ -187,9 +191,12 @@ class RecipeService:
         """Convert, render, encode, size: everything the reference checks, in its order. Off the event loop."""
         prepared = convert(api, body, self._options)
         model = self._models[prepared.model]  # the options name only served models
+        if prepared.prompt_token_ids is not None:  # before render: decoding ids past 2^32 overflows the tokenizer
+            check_token_ids(prepared.prompt_token_ids, model.vocab_size)
         _, prompt_ids = render(prepared, model)
         if prompt_ids is None:
             raise ConversionError(f"model {model.name} has no tokenizer for its prompt format", 400)
+        check_prompt(prompt_ids)
         max_tokens = resolve_max_tokens(prepared, len(prompt_ids), model.context_length)
         check_min_tokens(prepared, max_tokens)
         return prepared, model, prompt_ids, max_tokens
@@ -205,6 +212,11 @@ class RecipeService:
             return CountTokensReply(400, api_error(req.api, ConversionError(f"invalid JSON request: {exc}")).body)
         except ConversionError as exc:
             return CountTokensReply(exc.status, api_error(req.api, exc).body)
+        except RecursionError:
+            return CountTokensReply(400, api_error(req.api, ConversionError(depth_message())).body)
+        except Exception:  # a codec bug: an answer all the same, never a gateway left waiting for its timeout
+            log.exception("count_tokens failed")
+            return CountTokensReply(500, error_for(req.api, 500, "internal error while counting the tokens").body)
         return CountTokensReply(200, orjson.dumps({"input_tokens": len(prompt_ids)}))
 
     async def _launch(

@@ -6,6 +6,7 @@ One mesh serves the module; each test talks to it over HTTP like a user would (o
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import signal
 import time
@@ -241,6 +242,50 @@ def test_bad_messages_requests_get_anthropic_errors(mesh: Mesh) -> None:
         status, payload = asyncio.run(_post(f"{mesh.base_url}/v1/messages", body))
         assert 400 <= status < 500
         assert payload["type"] == "error" and payload["error"]["message"]
+
+
+async def _raw(base_url: str, request: bytes) -> tuple[int, bytes, dict]:
+    """Raw bytes to the gateway, past any client's own checks: (status, head, JSON body)."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 60)  # the gateway closes the connection after its answer
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), head, orjson.loads(body)
+
+
+def test_hostile_inputs_are_4xx_in_api_json_at_once(mesh: Mesh) -> None:
+    """What a tester found hanging for 300 s or failing with a 500 (issue 13): each is a 4xx in the API's error
+    JSON, refused before anything is queued; a real gzipped body is served."""
+    completions = f"{mesh.base_url}/v1/completions"
+
+    def post(body: bytes, headers: dict[str, str] | None = None, url: str = completions) -> tuple[int, dict]:
+        return asyncio.run(asyncio.wait_for(_post(url, body, headers), 60))
+
+    for prompt in ("", [49_152], [2**31], [2**32], [2**63 - 1]):
+        status, payload = post(orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}))
+        assert status == 400, prompt
+        assert payload["error"]["type"] == "invalid_request_error" and payload["error"]["message"], prompt
+    deep = b'{"type": "array", "items": ' * 500 + b'{"type": "string"}' + b"}" * 500
+    tool = b'{"name": "f", "input_schema": {"type": "object", "properties": {"a": ' + deep + b"}}}"
+    chat = b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "tools": [%s]}'
+    status, payload = post(chat % (MODEL.encode(), tool), url=f"{mesh.base_url}/v1/messages/count_tokens")
+    assert status == 400 and payload["type"] == "error" and "levels deep" in payload["error"]["message"]
+    status, payload = post(b"[" * 10_000 + b"]" * 10_000)
+    assert status == 400 and payload["error"]["message"]
+
+    body = orjson.dumps({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2})
+    gzipped = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    status, payload = post(body, gzipped)
+    assert status == 400 and "not valid gzip" in payload["error"]["message"]
+    status, payload = post(gzip.compress(body), gzipped)
+    assert status == 200 and payload["choices"][0]["text"]
+
+    status, head, payload = asyncio.run(_raw(mesh.base_url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                             b"Content-Length: abc\r\n\r\n{}"))
+    assert status == 400 and b"application/json" in head and payload["error"]["type"] == "invalid_request_error"
 
 
 def test_prompt_beyond_context_is_a_4xx(oai: openai.OpenAI) -> None:

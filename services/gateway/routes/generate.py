@@ -32,6 +32,7 @@ from services.gateway.routes.table import ApiRoute
 from services.gateway.streaming import EventPump, PumpAborted, Pumps
 from shared import subjects
 from shared.bus import Bus, BusTimeout
+from shared.json_depth import depth_message, too_deep
 from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel
 
@@ -70,16 +71,29 @@ async def read_json(request: web.Request, max_bytes: int) -> tuple[bytes, dict[s
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large
     try:
-        body = await request.read()  # the app's client_max_size stops a chunked body at max_bytes
+        # aiohttp decompresses a Content-Encoding (gzip, deflate) as it reads; client_max_size counts the
+        # decompressed bytes, so neither a chunked body nor a zip bomb gets past max_bytes.
+        body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
+    except web.RequestPayloadError as exc:  # a body that is not in its Content-Encoding, or cut short
+        raise ApiError(400, f"the request body could not be read: {_payload_problem(request, exc)}") from None
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if too_deep(parsed):  # every later walk over the body (gateway and recipe) is recursive
+        raise ApiError(400, depth_message())
     return body, parsed
+
+
+def _payload_problem(request: web.Request, exc: web.RequestPayloadError) -> str:
+    encoding = request.headers.get("Content-Encoding")
+    if encoding:
+        return f"it is not valid {encoding} (Content-Encoding: {encoding})"
+    return str(exc.__cause__ or exc) or "the body ended early"
 
 
 def client_request_id(request: web.Request) -> str:

@@ -27,6 +27,7 @@ from services.recipe.convert.options import (
 )
 from services.recipe.convert.serde import BodyError
 from services.recipe.prepared import PreparedRequest
+from shared.json_depth import depth_message, too_deep
 
 Converter = Callable[[Any, ConvertOptions], PreparedRequest]
 
@@ -49,6 +50,8 @@ def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT
             body = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise ConversionError(f"invalid JSON request: {exc}") from None
+    if too_deep(body):  # the gateway refuses these too; the recipe guards its own walks
+        raise ConversionError(depth_message())
     try:
         prepared = _converter(api)(body, options)
     except BodyError as exc:

@@ -1,4 +1,5 @@
-"""max_tokens once the prompt is encoded: the reference's `ConversationRequest.resolve_max_tokens`.
+"""The prompt's limits once it is encoded: ids the model knows, not empty (as vLLM's input checks, with its
+messages), and max_tokens: the reference's `ConversationRequest.resolve_max_tokens`.
 
     requested m:  prompt + m > context -> refused; else m
     unset:        prompt > context -> refused; else min(default, context - prompt), at least 1
@@ -13,6 +14,19 @@ from services.recipe.prepared import PreparedRequest
 DEFAULT_MAX_TOKENS = 8_192
 THINKING_MAX_TOKENS = 65_536
 MAX_EFFORT_MAX_TOKENS = 131_072
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Client token ids (a Completions prompt) the model can embed; raises ConversionError (400). The engine
+    refuses the others too, but only after the request was queued."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ConversionError(f"Token id {bad} is out of vocabulary (the model has {vocab_size} tokens)")
+
+
+def check_prompt(ids: list[int]) -> None:
+    if not ids:  # e.g. "prompt": "" on a model that adds no BOS
+        raise ConversionError("The decoder prompt cannot be empty")
 
 
 def default_max_tokens(prepared: PreparedRequest) -> int:

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from services.recipe.formats.jsontext import dumps
+from shared.json_depth import MAX_JSON_DEPTH, too_deep
 
 SIMPLE_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 
@@ -60,7 +61,9 @@ def _unique(items: list[Any]) -> bool:
 
 
 def check(schema: Any) -> None:
-    """Raises SchemaError with the first meta-schema violation."""
+    """Raises SchemaError with the first meta-schema violation, or for a schema nested too deeply to walk."""
+    if too_deep(schema):
+        raise SchemaError(f"the schema nests more than {MAX_JSON_DEPTH} levels deep")
     _check_schema(schema, schema)
 
 

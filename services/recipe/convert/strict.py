@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.recipe.convert.serde import BodyError, invalid_type, is_number, unknown_variant
+from shared.json_depth import MAX_JSON_DEPTH, too_deep
 
 _TYPES = ("object", "string", "number", "integer", "boolean", "array", "null")
 _SCALARS = ("string", "number", "integer", "boolean", "null")
@@ -35,6 +36,8 @@ class StrictError(ValueError):
 def normalize(schema: Any, *, empty_top: bool) -> tuple[dict[str, Any], bool]:
     """The normalized schema and whether its top is an object schema. Raises StrictError. `empty_top`: a
     top-level object may have no properties (tool parameters; a response format may not)."""
+    if too_deep(schema):  # _node and _rules recurse once per level
+        raise StrictError(f"the schema nests more than {MAX_JSON_DEPTH} levels deep", shape=False)
     try:
         node = _node(schema)
     except BodyError as exc:
