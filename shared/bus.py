@@ -8,7 +8,12 @@ parent is that context, so one request is one trace across all the hops. A messa
 Work queues are JetStream pull consumers on the `work.>` stream: a handler that returns acks the message, one
 that raises `Retry` naks it with a delay (redelivered later), one that raises `Reject` or receives a payload that
 fails its schema terminates it (it could never succeed). A running handler keeps its message alive with
-`in_progress()` so long work is not redelivered under it.
+`in_progress()` so long work is not redelivered under it; when that keeps failing (`KEEPALIVE_FAILURES` in a row)
+the job is ended at once and naked, rather than run on while the server hands it to another worker.
+
+A handler of `serve()` that raises, or a request that fails its schema, gets an error reply at once: an empty
+body with the `Bus-Error` header (happy-path replies are unchanged bytes), which `request()` raises as `BusError`.
+Services hold `Subscription` (this module's handle), never a nats object.
 
 Key-value buckets (JetStream KV) hold small typed records shared by every instance of a service and kept across
 restarts, each for the bucket's TTL: `key_value(bucket, Type, ttl_s=...)` gives a `KeyValueBucket[Type]`.
@@ -27,7 +32,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
@@ -43,6 +48,9 @@ R = TypeVar("R")
 MSG_ID_HEADER = "Nats-Msg-Id"
 KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")  # JetStream KV's key syntax (dots separate tokens)
 MAX_KEY_LENGTH = 256
+ERROR_HEADER = "Bus-Error"  # on a reply: the responder failed on the request; the value says why
+KEEPALIVE_FAILURES = 3  # in_progress() failing this many times in a row ends the job (nak) before ack_wait does
+STREAM_NAME_IN_USE = 10058  # JetStream's error code when add_stream loses a creation race
 
 
 class Retry(Exception):
@@ -59,6 +67,23 @@ class Reject(Exception):
 
 class BusTimeout(TimeoutError):
     """A request got no reply in time (no responder, or a responder too slow)."""
+
+
+class BusError(BusTimeout):
+    """The responder failed on the request and said so at once (its message is the reason).
+
+    A BusTimeout too: before error replies existed a failing responder made the caller time out, so every caller
+    already treats "no answer from that responder" alike; catch BusError first to tell the two apart."""
+
+
+class Subscription:
+    """A service's handle on one subscription: all it may do is end it."""
+
+    def __init__(self, sub: NatsSubscription) -> None:
+        self._sub = sub
+
+    async def unsubscribe(self) -> None:
+        await self._sub.unsubscribe()
 
 
 @dataclass(frozen=True)
@@ -124,6 +149,8 @@ class Bus:
             )
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise BusTimeout(f"{subject}: {type(exc).__name__}") from None
+        if msg.headers and ERROR_HEADER in msg.headers:
+            raise BusError(f"{subject}: {msg.headers[ERROR_HEADER]}")
         return codec.decode(reply_type, msg.data)
 
     async def subscribe(
@@ -148,7 +175,7 @@ class Bus:
                 except Exception:
                     log.exception("handler for %s failed", msg.subject)
 
-        return await self._nc.subscribe(subject, queue=queue, cb=on_msg)
+        return Subscription(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
 
     async def serve(
         self,
@@ -158,23 +185,37 @@ class Bus:
         *,
         queue: str = "",
     ) -> Subscription:
-        """Request/reply: the handler's return value is the reply. Each request runs as its own task."""
+        """Request/reply: the handler's return value is the reply. Each request runs as its own task. A request that
+        fails its schema, or a handler that raises, is answered at once with an error reply (`BusError` there)."""
 
         async def respond(msg: Msg) -> None:
             with tracing.handling(f"{self._name} {subject}", msg.headers, SpanKind.SERVER):
                 try:
                     message = codec.decode(request_type, msg.data)
-                except codec.SchemaError as exc:
+                except codec.SchemaError as exc:  # a bad internal request is a bug, not user input: say so
                     log.warning("bad request on %s: %s", msg.subject, exc)
-                    return  # the caller times out; a bad internal request is a bug, not user input
-                reply = await handler(message)
+                    await self._reply_error(msg, f"bad request: {exc}")
+                    return
+                try:
+                    reply = await handler(message)
+                except Exception as exc:
+                    log.exception("handler for %s failed", msg.subject)
+                    await self._reply_error(msg, f"{type(exc).__name__}: {exc}")
+                    return
                 if msg.reply:
                     await msg.respond(codec.encode(reply))
 
         async def on_msg(msg: Msg) -> None:
-            self._spawn(respond(msg))
+            self.spawn(respond(msg))
 
-        return await self._nc.subscribe(subject, queue=queue, cb=on_msg)
+        return Subscription(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    async def _reply_error(self, msg: Msg, reason: str) -> None:
+        if not msg.reply:
+            return
+        # a header value is one line: keep the reason's first line, bounded
+        first_line = reason.splitlines()[0] if reason else "error"
+        await self._nc.publish(msg.reply, b"", headers={ERROR_HEADER: first_line[:512]})
 
     # --- JetStream work queues ---------------------------------------------------------------------------------
 
@@ -190,8 +231,10 @@ class Bus:
         except NotFoundError:
             try:
                 await self._js.add_stream(config)
-            except Exception:  # lost a creation race with another service
-                await self._js.stream_info(subjects.WORK_STREAM)
+            except BadRequestError as exc:
+                if exc.err_code != STREAM_NAME_IN_USE:
+                    raise
+                await self._js.stream_info(subjects.WORK_STREAM)  # lost a creation race with another service
 
     async def submit(self, subject: str, message: Any, *, msg_id: str) -> None:
         """Durably enqueue work; a resend with the same `msg_id` inside the dedup window is dropped."""
@@ -246,7 +289,8 @@ class Bus:
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run `coro` as a task that drain() waits for."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -282,13 +326,14 @@ class WorkQueue:
         self._handler = handler
         self._slots = asyncio.Semaphore(concurrency)
         self._concurrency = concurrency
+        self._running = 0  # handlers holding a slot (the semaphore's own count is private)
         self._ack_wait = ack_wait
         self._stopped = False
         self.task: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         while not self._stopped:
-            free = self._slots._value  # noqa: SLF001 - fetch no more than we can start now
+            free = self._concurrency - self._running  # fetch no more than we can start now
             if free == 0:
                 await self._slots.acquire()
                 self._slots.release()
@@ -307,12 +352,31 @@ class WorkQueue:
                 continue
             for msg in msgs:
                 await self._slots.acquire()
-                self._bus._spawn(self._handle(msg))
+                self._running += 1
+                self._bus.spawn(self._handle(msg))
 
     async def _handle(self, msg: Msg) -> None:
+        work = asyncio.ensure_future(self._process(msg))
         keepalive = asyncio.create_task(self._keepalive(msg))
         try:
-            with tracing.handling(f"{self._bus._name} {msg.subject}", msg.headers, SpanKind.CONSUMER):
+            await asyncio.wait({work, keepalive}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the keepalive gave up: the server will soon hand the message to another worker
+                log.error("ending work on %s: keepalive failed %d times; naking it", msg.subject, KEEPALIVE_FAILURES)
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                try:
+                    await msg.nak()
+                except Exception as exc:  # the connection is gone: the server redelivers after ack_wait anyway
+                    log.warning("could not nak %s: %r", msg.subject, exc)
+        finally:
+            keepalive.cancel()
+            work.cancel()  # (a no-op once it finished; stops it when we are cancelled ourselves)
+            self._running -= 1
+            self._slots.release()
+
+    async def _process(self, msg: Msg) -> None:
+        try:
+            with tracing.handling(f"{self._bus.name} {msg.subject}", msg.headers, SpanKind.CONSUMER):
                 try:
                     message = codec.decode(self._type, msg.data)
                     await self._handler(message, Envelope(msg.subject, tracing.current()))
@@ -329,17 +393,19 @@ class WorkQueue:
                     await msg.ack()
         except Exception as exc:  # ack/nak on a closed connection: the message will be redelivered
             log.debug("could not settle work message: %s", exc)
-        finally:
-            keepalive.cancel()
-            self._slots.release()
 
     async def _keepalive(self, msg: Msg) -> None:
-        while True:
+        """Tell the server the job is alive every ack_wait / 3; return once KEEPALIVE_FAILURES beats in a row failed
+        (the server cannot hear us, so it will redeliver the message while we still run it)."""
+        failures = 0
+        while failures < KEEPALIVE_FAILURES:
             await asyncio.sleep(self._ack_wait / 3)
             try:
                 await msg.in_progress()
-            except Exception:
-                return
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                log.warning("keepalive %d/%d for %s failed: %r", failures, KEEPALIVE_FAILURES, msg.subject, exc)
 
     async def stop(self) -> None:
         self._stopped = True
@@ -382,6 +448,10 @@ class KeyValueBucket(Generic[T]):
         except codec.SchemaError as exc:  # written by an incompatible version: as good as absent
             log.warning("dropping unreadable %s record %s: %s", self._type.__name__, key, exc)
             return None
+
+    async def ttl_s(self) -> float | None:
+        """The bucket's current time to live (the newest `key_value` setting), None if entries never expire."""
+        return (await self._kv.status()).ttl
 
     async def put(self, key: str, value: T) -> None:
         await self._kv.put(key, codec.encode(value))

@@ -1,5 +1,6 @@
-"""KV events: a cache publishes its changes (EventPublisher); a router keeps every source's holdings in a pure
-index (PrefixIndex), fed over the bus and resynchronised from snapshots on gaps (KvEventFeed).
+"""KV events, the publisher's side: a cache publishes its changes (EventPublisher) and answers snapshot requests.
+The consumer, the balancer's prefix index with its feed and resync, is services/balancer/prefix_index.py and
+services/balancer/kv_feed.py.
 
 The protocol and wire types are in shared/schemas/events.py. The publisher's side, for a cache owned by one
 thread that is not the event loop (the engine's thread, the kvcache I/O thread):
@@ -23,22 +24,17 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 
-from nats.aio.subscription import Subscription
-
 from shared import subjects
-from shared.bus import Bus, BusTimeout, Envelope
+from shared.bus import Bus, Subscription
 from shared.schemas.events import (
     OP_REMOVED,
     OP_STORED,
     OP_TICK,
-    TIER_LOCAL,
-    TIERS,
     KvEvent,
     KvSnapshot,
     KvSnapshotRequest,
@@ -51,13 +47,9 @@ MAX_EVENT_HASHES = 4096  # per message: 4096 x 18 bytes of msgpack is well under
 MAX_BUFFERED_HASHES = 1_000_000  # the bus cannot keep up: drop, skip a seq, consumers resync from a snapshot
 SNAPSHOT_TTL_S = 30.0  # a snapshot's pages stay this long for a consumer to fetch them
 MAX_SNAPSHOTS = 4
-PENDING_EVENTS = 4096  # events a consumer keeps while its snapshot request is in flight (more: fetch again)
 
 # what the owner thread's snapshot function returns: tier -> every hash held there
 Holdings = Mapping[str, Iterable[bytes]]
-
-
-# --- publisher ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -238,262 +230,3 @@ class EventPublisher:
             return KvSnapshot(self.source, self.epoch, 0, snapshot_id, {}, error="snapshot expired: start again")
         hashes, next_offset = taken.page(req.offset, self._page)
         return KvSnapshot(self.source, self.epoch, taken.seq, snapshot_id, hashes, next_offset)
-
-
-# --- the consumer's index (pure) ---------------------------------------------------------------------------------
-
-
-class Sync(StrEnum):
-    OK = "ok"  # the index is in step with the source
-    GAP = "gap"  # it missed something (or never knew the source): fetch a snapshot and load() it
-
-
-@dataclass(frozen=True)
-class Run:
-    """The leading blocks of a prompt a source holds: the tier each one would be read from, in order."""
-
-    tiers: tuple[str, ...] = ()
-
-    @property
-    def blocks(self) -> int:
-        return len(self.tiers)
-
-    def by_tier(self, start: int = 0) -> dict[str, int]:
-        """Blocks of the run from block `start` on, per tier."""
-        return dict(Counter(self.tiers[start:]))
-
-
-def _tier_rank(tier: str) -> tuple[int, str]:
-    return (TIERS.index(tier), "") if tier in TIERS else (len(TIERS), tier)
-
-
-class _Source:
-    def __init__(self, max_pending: int) -> None:
-        self.epoch = ""
-        self.seq = 0
-        self.synced = False
-        self.held: dict[bytes, int] = {}  # hash -> bit mask of the tiers holding it
-        self.bits: dict[str, int] = {}  # tier -> its bit
-        self.pending: deque[KvEvent] = deque(maxlen=max_pending)  # heard while out of step
-        self._best: dict[int, str] = {}  # bit mask -> the fastest tier in it
-
-    def reset(self, epoch: str, seq: int, holdings: Mapping[str, Iterable[bytes]]) -> None:
-        self.epoch, self.seq, self.synced = epoch, seq, True
-        self.held.clear()
-        self.pending.clear()
-        for tier, hashes in holdings.items():
-            self.change(OP_STORED, tier, hashes)
-
-    def change(self, op: str, tier: str, hashes: Iterable[bytes]) -> None:
-        bit = self.bits.get(tier)
-        if bit is None:
-            bit = self.bits[tier] = 1 << len(self.bits)
-            self._best.clear()
-        held = self.held
-        if op == OP_STORED:
-            for h in hashes:
-                held[h] = held.get(h, 0) | bit
-        else:
-            for h in hashes:
-                mask = held.get(h, 0) & ~bit
-                if mask:
-                    held[h] = mask
-                else:
-                    held.pop(h, None)
-
-    def best(self, mask: int) -> str:
-        tier = self._best.get(mask)
-        if tier is None:
-            tier = self._best[mask] = min((t for t, b in self.bits.items() if mask & b), key=_tier_rank)
-        return tier
-
-    def holdings(self) -> dict[str, set[bytes]]:
-        out: dict[str, set[bytes]] = {}
-        for h, mask in self.held.items():
-            for tier, bit in self.bits.items():
-                if mask & bit:
-                    out.setdefault(tier, set()).add(h)
-        return out
-
-
-class PrefixIndex:
-    """Every source's holdings as its events and snapshots describe them; no I/O.
-
-    A source out of step (after a gap) keeps answering from what it last knew, which is nearly right, until a
-    snapshot replaces it; the events heard meanwhile are kept and applied on top of the snapshot.
-    """
-
-    def __init__(self, max_pending: int = PENDING_EVENTS) -> None:
-        self._sources: dict[str, _Source] = {}
-        self._max_pending = max_pending
-
-    def apply(self, event: KvEvent) -> Sync:
-        src = self._sources.get(event.source)
-        if src is None:
-            src = self._sources[event.source] = _Source(self._max_pending)
-        tick = event.op == OP_TICK
-        if event.op not in (OP_STORED, OP_REMOVED, OP_TICK):
-            src.synced = False  # a publisher this consumer does not understand: start over from a snapshot
-            return Sync.GAP
-        if src.synced and (event.epoch != src.epoch or event.seq > src.seq + (0 if tick else 1)):
-            src.synced = False
-        if not src.synced:
-            if not tick:
-                src.pending.append(event)
-            return Sync.GAP
-        if not tick and event.seq > src.seq:  # (an older one is already reflected)
-            src.change(event.op, event.tier, event.hashes)
-            src.seq = event.seq
-        return Sync.OK
-
-    def load(self, snapshot: KvSnapshot) -> Sync:
-        """Replace a source's holdings with a whole snapshot, then apply the events heard after its seq."""
-        src = self._sources.get(snapshot.source)
-        if src is None:
-            src = self._sources[snapshot.source] = _Source(self._max_pending)
-        later = [e for e in src.pending if e.epoch == snapshot.epoch and e.seq > snapshot.seq]
-        src.reset(snapshot.epoch, snapshot.seq, snapshot.hashes)
-        for event in later:
-            self.apply(event)
-        return Sync.OK if src.synced else Sync.GAP
-
-    def run(self, source: str, hashes: Sequence[bytes]) -> Run:
-        """The longest leading run of `hashes` (a prompt's chained block hashes) that `source` holds."""
-        src = self._sources.get(source)
-        if src is None:
-            return Run()
-        tiers = []
-        for h in hashes:
-            mask = src.held.get(h)
-            if not mask:
-                break
-            tiers.append(src.best(mask))
-        return Run(tuple(tiers))
-
-    def runs(self, hashes: Sequence[bytes]) -> dict[str, Run]:
-        """`run` of every source that holds at least the first block."""
-        out = {}
-        for source in self._sources:
-            run = self.run(source, hashes)
-            if run.blocks:
-                out[source] = run
-        return out
-
-    def store_sources(self) -> list[str]:
-        """Sources that are shared stores (tiers other than an engine's local cache), by name."""
-        return sorted(s for s, src in self._sources.items() if any(t != TIER_LOCAL for t in src.bits))
-
-    def forget(self, source: str) -> None:
-        self._sources.pop(source, None)
-
-    def sources(self) -> list[str]:
-        return sorted(self._sources)
-
-    def synced(self, source: str) -> bool:
-        src = self._sources.get(source)
-        return src is not None and src.synced
-
-    def seq(self, source: str) -> int:
-        src = self._sources.get(source)
-        return 0 if src is None else src.seq
-
-    def holdings(self, source: str) -> dict[str, set[bytes]]:
-        """tier -> hashes (for inspection and tests)."""
-        src = self._sources.get(source)
-        return {} if src is None else src.holdings()
-
-
-# --- the consumer's I/O ------------------------------------------------------------------------------------------
-
-
-class SnapshotError(Exception):
-    """A snapshot could not be fetched whole (it expired between pages, or the source restarted)."""
-
-
-async def fetch_snapshot(bus: Bus, source: str, *, timeout: float = 5.0) -> KvSnapshot:
-    """All pages of a new snapshot of `source`, joined."""
-    subject = subjects.kv_snapshot(source)
-    first = page = await bus.request(subject, KvSnapshotRequest(), KvSnapshot, timeout=timeout)
-    hashes = {tier: list(h) for tier, h in first.hashes.items()}
-    while not page.error and page.next_offset:
-        request = KvSnapshotRequest(first.snapshot_id, page.next_offset)
-        page = await bus.request(subject, request, KvSnapshot, timeout=timeout)
-        if page.snapshot_id != first.snapshot_id or page.epoch != first.epoch:
-            raise SnapshotError(f"{source}: snapshot changed between pages")
-        for tier, h in page.hashes.items():
-            hashes.setdefault(tier, []).extend(h)
-    if page.error:
-        raise SnapshotError(f"{source}: {page.error}")
-    return replace(first, hashes=hashes, next_offset=0)
-
-
-class KvEventFeed:
-    """Keeps a PrefixIndex in step with every source on the bus: apply events, fetch a snapshot on a gap, forget
-    sources that fell silent (no event or tick for `source_timeout_s`)."""
-
-    def __init__(
-        self,
-        bus: Bus,
-        index: PrefixIndex,
-        *,
-        source_timeout_s: float = 5 * TICK_S,
-        snapshot_timeout_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.index = index
-        self.stats: Counter[str] = Counter()
-        self._bus = bus
-        self._source_timeout_s = source_timeout_s
-        self._snapshot_timeout_s = snapshot_timeout_s
-        self._clock = clock
-        self._heard: dict[str, float] = {}
-        self._fetching: dict[str, asyncio.Task[None]] = {}
-        self._sub: Subscription | None = None
-
-    async def start(self) -> None:
-        self._sub = await self._bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self._on_event)
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
-        tasks = list(self._fetching.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def resync(self, source: str) -> None:
-        """Fetch a snapshot of `source` unless one is already on its way."""
-        if source not in self._fetching:
-            self._fetching[source] = asyncio.create_task(self._fetch(source))
-
-    def expire(self, now: float) -> list[str]:
-        gone = [s for s, at in self._heard.items() if now - at > self._source_timeout_s]
-        for source in gone:
-            self.forget(source)
-        return gone
-
-    def forget(self, source: str) -> None:
-        self._heard.pop(source, None)
-        self.index.forget(source)
-
-    async def _on_event(self, event: KvEvent, _: Envelope) -> None:
-        self._heard[event.source] = self._clock()
-        self.stats["events"] += 1
-        if self.index.apply(event) is Sync.GAP and event.source not in self._fetching:
-            self.stats["gaps"] += 1
-            self.resync(event.source)
-
-    async def _fetch(self, source: str) -> None:
-        try:
-            for _ in range(3):  # events lost while the snapshot was on its way: one more try at once
-                snapshot = await fetch_snapshot(self._bus, source, timeout=self._snapshot_timeout_s)
-                if self.index.load(snapshot) is Sync.OK:
-                    self.stats["resyncs"] += 1
-                    log.debug("%s: resynced at seq %d", source, snapshot.seq)
-                    return
-        except (BusTimeout, SnapshotError) as exc:  # the next event or tick tries again
-            self.stats["resync_failures"] += 1
-            log.info("no KV snapshot from %s: %s", source, exc)
-        finally:
-            self._fetching.pop(source, None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from services.balancer.registry import WorkerLoad
 from shared import hashing
-from shared.kv_events import PrefixIndex, Run
+from services.balancer.prefix_index import PrefixIndex, Run
 
 
 @dataclass(frozen=True)

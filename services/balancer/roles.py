@@ -18,7 +18,7 @@ from services.balancer.policies import Demand
 from services.balancer.prefix import prefix_hits
 from services.balancer.registry import WorkerLoad
 from shared import subjects
-from shared.kv_events import PrefixIndex
+from services.balancer.prefix_index import PrefixIndex
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob
 
 J = TypeVar("J")

@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
-from nats.aio.subscription import Subscription
 
 from services.balancer.affinity import SessionAffinity
 from services.balancer.assignments import Assignment, Assignments
@@ -33,8 +32,9 @@ from services.balancer.policies import POLICIES, Policy, PolicySettings
 from services.balancer.registry import WorkerRegistry
 from services.balancer.roles import ROLES, Role, RoleContext
 from shared import subjects, tracing
-from shared.bus import Bus, Envelope, Retry, WorkQueue
-from shared.kv_events import KvEventFeed, PrefixIndex
+from shared.bus import Bus, Envelope, Retry, Subscription, WorkQueue
+from services.balancer.kv_feed import KvEventFeed
+from services.balancer.prefix_index import PrefixIndex
 from shared.presence import announce_forever
 from shared.schemas.balancer import BalancerStats, BalancerStatsReply
 from shared.schemas.generate import Cancel, TokenEvent

@@ -15,12 +15,10 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from shared import subjects
-from shared.bus import Bus, Envelope
+from shared.bus import Bus, Envelope, Subscription
 from shared.schemas.gateway import ApiEvent
 
 if TYPE_CHECKING:
-    from nats.aio.subscription import Subscription  # only the type: the bus does the talking
-
     from services.gateway.metrics import RequestMeter
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 import orjson
-from nats.aio.subscription import Subscription
 
 from services.kvcache.config import DAY_S, KvCacheConfig
 from services.kvcache.leases import Leases
@@ -36,7 +35,7 @@ from services.kvcache.tiers.lmdb import LmdbTier
 from services.kvcache.tiers.ram import RamTier
 from services.kvcache.tiers.ssd import SsdTier
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, Subscription
 from shared.kv_arena import ArenaMaps
 from shared.kv_events import EventPublisher
 from shared.schemas.kv import (

@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
-from nats.aio.subscription import Subscription
 
 from services.recipe import tokenize
 from services.recipe.apis.errors import openai_error
@@ -23,7 +22,7 @@ from services.recipe.convert import ConversionError, ConvertOptions
 from services.recipe.model import ServedModel
 from services.recipe.responses_store import ResponseStore
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, Subscription
 from shared.schemas.gateway import (
     DetokenizeRequest,
     JsonReply,

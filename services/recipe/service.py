@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterable, Sequence
 
 import orjson
-from nats.aio.subscription import Subscription
 
 from services.recipe.apis.errors import ApiError, error_for, openai_error
 from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
@@ -35,7 +34,7 @@ from services.recipe.prepared import RESPONSE_ID_PREFIXES, InferenceSpec, Prepar
 from services.recipe.queries import Queries
 from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
 from shared import subjects
-from shared.bus import Bus, Envelope
+from shared.bus import Bus, Envelope, Subscription
 from shared.json_depth import depth_message
 from shared.presence import announce_forever
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest

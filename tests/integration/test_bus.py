@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import pytest
 
 from shared import codec, tracing
-from shared.bus import Bus, BusTimeout, Envelope, Reject, Retry
+from shared.bus import KEEPALIVE_FAILURES, Bus, BusError, BusTimeout, Envelope, Reject, Retry
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,52 @@ async def test_request_reply_and_bad_request(nats_url: str) -> None:
             await bus.request("t.double", {"n": "x"}, Pong, timeout=0.5)
     finally:
         await bus.drain()
+
+
+async def test_a_failing_handler_is_an_error_reply_at_once(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "t")
+    try:
+        async def lookup(p: Ping) -> Pong:
+            if p.n < 0:
+                raise ValueError(f"no entry {p.n}\nsecond line")
+            return Pong(p.n)
+
+        await bus.serve("t.lookup", Ping, lookup)
+        # a long timeout: an error reply ends these at once; without one they would raise BusTimeout, not BusError
+        with pytest.raises(BusError, match=r"t\.lookup: ValueError: no entry -1$"):
+            await bus.request("t.lookup", Ping(-1), Pong, timeout=60)
+        with pytest.raises(BusError, match="bad request"):
+            await bus.request("t.lookup", {"n": "x"}, Pong, timeout=60)
+        assert await bus.request("t.lookup", Ping(5), Pong) == Pong(5)  # the responder still serves
+    finally:
+        await bus.drain()
+
+
+async def test_a_job_whose_keepalive_keeps_failing_is_ended(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    bus = await Bus.connect(nats_url, "t")
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    async def long_job(p: Ping, env: Envelope) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()  # runs until something ends it
+        except asyncio.CancelledError:
+            ended.set()
+            raise
+
+    q = await bus.work_queue("work.test.long", "test-long", Ping, long_job, ack_wait=0.6)
+    await bus.submit("work.test.long", Ping(1), msg_id="long-1")
+    await asyncio.wait_for(started.wait(), 10)
+    await q.stop()
+    with caplog.at_level(logging.WARNING, logger="shared.bus"):
+        # the connection closes under the running job: every in_progress() fails from now on
+        await bus.drain()
+        await asyncio.wait_for(ended.wait(), 10)
+    failures = [r for r in caplog.records if "keepalive" in r.getMessage() and "failed" in r.getMessage()]
+    assert len(failures) >= KEEPALIVE_FAILURES  # each failed beat is logged, then the job is ended
+    assert any("ending work on work.test.long" in r.getMessage() for r in caplog.records)
 
 
 def test_codec_validates_types() -> None:
@@ -87,10 +134,11 @@ async def test_key_value_bucket_typed_shared_and_retimed(nats_url: str) -> None:
         await mine.put("k-1", Ping(7, "x"))
         theirs = await second.key_value("t_kv", Ping, ttl_s=90)  # another instance, another TTL: the newest wins
         assert await theirs.get("k-1") == Ping(7, "x")  # the entries survive the change
-        assert (await second._js.stream_info("KV_t_kv")).config.max_age == 90
+        assert await mine.ttl_s() == 90
         await theirs.delete("k-1")
         assert await mine.get("k-1") is None and await mine.get("never") is None
-        await first._js.publish("$KV.t_kv.bad", b"\xc1")  # not a Ping: read as absent, never raised
+        other = await first.key_value("t_kv", str, ttl_s=90)  # the same bucket read as another type
+        await other.put("bad", "not a Ping")  # read as absent, never raised
         assert await mine.get("bad") is None
         assert mine.valid_key("resp_abc-1") and not mine.valid_key("a b") and not mine.valid_key("x.>")
     finally:

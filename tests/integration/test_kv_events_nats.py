@@ -9,10 +9,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from services.balancer.kv_feed import KvEventFeed
+from services.balancer.prefix_index import PrefixIndex
 from shared.bus import Bus
 from tests.integration.buses import connect, until
 from shared.engine.block_manager import BlockManager
-from shared.kv_events import EventPublisher, KvEventFeed, PrefixIndex
+from shared.kv_events import EventPublisher
 from shared.schemas.events import OP_REMOVED, OP_STORED, TIER_LOCAL, TIER_RAM, TIER_SSD, KvEvent
 
 KEYS = [i.to_bytes(16, "big") for i in range(400)]

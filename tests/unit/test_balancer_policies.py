@@ -15,7 +15,7 @@ from services.balancer.policies.prefill import LeastCost, Random, RoundRobin, pr
 from services.balancer.prefix import prefix_hits
 from services.balancer.registry import WorkerLoad, WorkerRegistry
 from shared import hashing
-from shared.kv_events import PrefixIndex
+from services.balancer.prefix_index import PrefixIndex
 from shared.schemas.events import OP_STORED, TIER_LOCAL, TIER_RAM, TIER_SSD, KvEvent, KvSnapshot
 from shared.schemas.workers import Heartbeat
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from services.balancer.prefix_index import PrefixIndex, Run, Sync
 from shared import subjects
 from shared.engine.block_manager import BlockManager
-from shared.kv_events import EventPublisher, PrefixIndex, Run, Sync
+from shared.kv_events import EventPublisher
 from shared.schemas.events import (
     OP_REMOVED,
     OP_STORED,
