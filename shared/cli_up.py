@@ -60,6 +60,11 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                          default=DEFAULT_MAX_BATCH_TOKENS, help="tokens per engine step (chunked prefill)")
     workers.add_argument("--speculative-tokens", type=int, default=0,
                          help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
+    load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
+    load.add_argument("--max-queued-requests", type=int, default=0,
+                      help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")
+    load.add_argument("--max-queued-tokens", type=int, default=0,
+                      help="prompt tokens in flight per model before new requests get a 429; 0 = unbounded")
     run = p.add_argument_group("running")
     run.add_argument("--state-dir", default=".state", help="NATS, KV store and logs live here (one `up` at a time)")
     run.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
@@ -119,7 +124,8 @@ def _check_values(args: argparse.Namespace) -> None:
               "--decode-workers": (args.decode_workers, 1), "--max-num-seqs": (args.max_num_seqs, 1),
               "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
               "--speculative-tokens": (args.speculative_tokens, 0), "--max-model-len": (args.max_model_len, 2),
-              "--kv-blocks": (args.kv_blocks, 1)}
+              "--kv-blocks": (args.kv_blocks, 1), "--max-queued-requests": (args.max_queued_requests, 0),
+              "--max-queued-tokens": (args.max_queued_tokens, 0)}
     for flag, (value, low) in lowest.items():
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")

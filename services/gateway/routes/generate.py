@@ -167,6 +167,8 @@ class GenerateHandler:
             try:
                 reply = await self._prepare(prepare)
                 if not reply.ok:
+                    if reply.retry_after_s:  # refused for load, before anything was queued
+                        headers["Retry-After"] = str(reply.retry_after_s)
                     return json_response(reply.status, reply.error_body, headers)
                 model = str(parsed.get("model", ""))  # the recipe accepted it: one of the served names
                 pump.meter = self._metrics.meter(model, stream=reply.stream, prompt_tokens=reply.prompt_tokens,
