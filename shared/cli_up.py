@@ -36,6 +36,12 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     api.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     api.add_argument("--port", type=int, default=8000, help="the gateway's port")
     api.add_argument("--api-key", default=None, help="require this key from clients (Bearer or x-api-key)")
+    api.add_argument("--client-idle-timeout", type=float, default=75.0,
+                     help="seconds a client connection may stay open with no request; then it is closed")
+    api.add_argument("--client-header-timeout", type=float, default=30.0,
+                     help="seconds from a request's first byte to its last header; then the connection is closed")
+    api.add_argument("--client-body-timeout", type=float, default=120.0,
+                     help="seconds to read a request's whole body; then a 408 in the API's error JSON")
     model = p.add_argument_group("model")
     model.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file or HF checkpoint dir")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -129,6 +135,9 @@ def _check_values(args: argparse.Namespace) -> None:
     for flag, (value, low) in lowest.items():
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    for flag in ("--client-idle-timeout", "--client-header-timeout", "--client-body-timeout"):
+        if (value := getattr(args, flag[2:].replace("-", "_"))) <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:

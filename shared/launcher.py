@@ -80,7 +80,10 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     for flag, value in (("--device", args.device), ("--speculative-tokens", args.speculative_tokens or None),
                         ("--kv-blocks", args.kv_blocks), ("--gpu-memory-utilization", args.gpu_memory_utilization)):
         worker += [flag, str(value)] if value is not None else []
-    gateway = capped + ["--host", args.host, "--port", str(args.port)]
+    gateway = capped + ["--host", args.host, "--port", str(args.port),
+                        "--client-idle-timeout", str(args.client_idle_timeout),
+                        "--client-header-timeout", str(args.client_header_timeout),
+                        "--client-body-timeout", str(args.client_body_timeout)]
     plan = Plan()
     plan.add("kvcache", "kvcache-0", common, logs)
     plan.add("balancer", "balancer-0", common + ["--roles", "prefill,decode"], logs)
