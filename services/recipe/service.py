@@ -181,6 +181,8 @@ class RecipeService:
         except Exception:  # a codec bug: the client still gets an answer in its API's format, not a timeout
             log.exception("%s: prepare failed", req.request_id)
             return _refuse(error_for(req.api, 500, "internal error while preparing the request"))
+        # No await from this check to the ledger's enter in _launch: concurrent prepares cannot both take the
+        # last place.
         if (refusal := self._ledger.check(model.name, len(prompt_ids))) is not None:
             log.info("%s refused (%s bound): %s", req.request_id, refusal.limit, refusal.message)
             return _overloaded(req.api, refusal)
