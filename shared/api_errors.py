@@ -30,8 +30,11 @@ _ANTHROPIC_TYPES = {
 }
 
 
-def openai_error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
-    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+def openai_error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str | None = None
+) -> bytes:
+    """`kind` replaces the `type` the status implies (OpenAI's rate limits say "requests" or "tokens")."""
+    kind = kind or _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 

@@ -36,6 +36,12 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     api.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     api.add_argument("--port", type=int, default=8000, help="the gateway's port")
     api.add_argument("--api-key", default=None, help="require this key from clients (Bearer or x-api-key)")
+    api.add_argument("--client-idle-timeout", type=float, default=75.0,
+                     help="seconds a client connection may stay open with no request; then it is closed")
+    api.add_argument("--client-header-timeout", type=float, default=30.0,
+                     help="seconds from a request's first byte to its last header; then the connection is closed")
+    api.add_argument("--client-body-timeout", type=float, default=120.0,
+                     help="seconds to read a request's whole body; then a 408 in the API's error JSON")
     model = p.add_argument_group("model")
     model.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file or HF checkpoint dir")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -60,6 +66,11 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                          default=DEFAULT_MAX_BATCH_TOKENS, help="tokens per engine step (chunked prefill)")
     workers.add_argument("--speculative-tokens", type=int, default=0,
                          help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
+    load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
+    load.add_argument("--max-queued-requests", type=int, default=0,
+                      help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")
+    load.add_argument("--max-queued-tokens", type=int, default=0,
+                      help="prompt tokens in flight per model before new requests get a 429; 0 = unbounded")
     run = p.add_argument_group("running")
     run.add_argument("--state-dir", default=".state", help="NATS, KV store and logs live here (one `up` at a time)")
     run.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
@@ -119,10 +130,14 @@ def _check_values(args: argparse.Namespace) -> None:
               "--decode-workers": (args.decode_workers, 1), "--max-num-seqs": (args.max_num_seqs, 1),
               "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
               "--speculative-tokens": (args.speculative_tokens, 0), "--max-model-len": (args.max_model_len, 2),
-              "--kv-blocks": (args.kv_blocks, 1)}
+              "--kv-blocks": (args.kv_blocks, 1), "--max-queued-requests": (args.max_queued_requests, 0),
+              "--max-queued-tokens": (args.max_queued_tokens, 0)}
     for flag, (value, low) in lowest.items():
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    for flag in ("--client-idle-timeout", "--client-header-timeout", "--client-body-timeout"):
+        if (value := getattr(args, flag[2:].replace("-", "_"))) <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:

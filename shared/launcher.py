@@ -67,7 +67,7 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     """Each flag goes to the services that own it: the served names to the gateway (/v1/models), the recipe
     (what requests may name) and the workers (what they serve, by which the balancer routes); the context cap to
     the recipe (it refuses longer requests), the workers (they hold no longer sequence) and the gateway (it
-    reports it)."""
+    reports it); the admission bounds to the recipe (it sees every request it launched)."""
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--nats-url", nats_url, "--state-dir", str(state_dir), "--model", args.model]
@@ -80,7 +80,10 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     for flag, value in (("--device", args.device), ("--speculative-tokens", args.speculative_tokens or None),
                         ("--kv-blocks", args.kv_blocks), ("--gpu-memory-utilization", args.gpu_memory_utilization)):
         worker += [flag, str(value)] if value is not None else []
-    gateway = capped + ["--host", args.host, "--port", str(args.port)]
+    gateway = capped + ["--host", args.host, "--port", str(args.port),
+                        "--client-idle-timeout", str(args.client_idle_timeout),
+                        "--client-header-timeout", str(args.client_header_timeout),
+                        "--client-body-timeout", str(args.client_body_timeout)]
     plan = Plan()
     plan.add("kvcache", "kvcache-0", common, logs)
     plan.add("balancer", "balancer-0", common + ["--roles", "prefill,decode"], logs)
@@ -88,7 +91,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
         plan.add("prefill", f"prefill-{i}", worker, logs)
     for i in range(args.decode_workers):
         plan.add("decode", f"decode-{i}", worker, logs)
-    plan.add("recipe", "recipe-0", capped, logs)
+    admission = ["--max-queued-requests", str(args.max_queued_requests), "--max-queued-tokens", str(args.max_queued_tokens)]
+    plan.add("recipe", "recipe-0", capped + admission, logs)
     # the key travels in the environment, not on a command line every user of `ps` can read
     plan.add("gateway", "gateway-0", gateway, logs, {"DEEPINFER_API_KEY": args.api_key} if args.api_key else None)
     return plan

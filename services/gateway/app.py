@@ -15,7 +15,7 @@ from services.gateway.metrics import Metrics
 from services.gateway.middleware import edge_middleware
 from services.gateway.routes import add_routes
 from services.gateway.routes.count import CountTokensHandler
-from services.gateway.routes.generate import GenerateHandler
+from services.gateway.routes.generate import BODY_TIMEOUT, GenerateHandler
 from services.gateway.routes.models import ModelsHandler
 from services.gateway.routes.ops import OpsHandler, Readiness
 from services.gateway.routes.query import RecipeQueries
@@ -45,6 +45,7 @@ def build_app(
     app[PUMPS] = pumps
     app[METRICS] = metrics
     app[READINESS] = readiness
+    app[BODY_TIMEOUT] = config.client_body_timeout_s
 
     async def on_heartbeat(beat: Heartbeat, _: Envelope) -> None:
         fleet.heard_worker(beat, clock())

@@ -1,4 +1,5 @@
-"""Errors aiohttp's HTTP parser answers itself, in OpenAI's error JSON instead of its plain text.
+"""Errors aiohttp's HTTP parser answers itself, in OpenAI's error JSON instead of its plain text; a bound on the
+time a client may take to send a request's head.
 
 A bad request line, a bad Content-Length or Transfer-Encoding, a header past aiohttp's size limits: the parser
 fails before any request exists, so neither a route nor a middleware sees it. aiohttp answers such a request with
@@ -10,12 +11,14 @@ Content-Encoding after the route answered it, are logged as one line, not as tra
 log with.
 
 aiohttp has no public seam for this: `ApiRunner` overrides `AppRunner._make_server` and copies `Server._kwargs`
-(aiohttp 3.14). If those change, the parser errors stay aiohttp's own, with their right status, and
-tests/unit/test_gateway_hostile.py fails.
+(aiohttp 3.14); the header bound reads `RequestHandler._waiter` and closing without lingering sets
+`_lingering_time`. If those change, the parser errors stay aiohttp's own, with their right status, and
+tests/unit/test_gateway_hostile.py (or test_gateway_client_timeouts.py) fails.
 """
 
 from __future__ import annotations
 
+import asyncio
 from http import HTTPStatus
 from typing import Any
 
@@ -26,6 +29,45 @@ from shared.api_errors import openai_error_body
 
 
 class ApiRequestHandler(web.RequestHandler):
+    """Also bounds the time from a request's first byte to its last header (`header_timeout_s`): aiohttp's
+    keepalive_timeout closes a connection that sends nothing, but one that sends a header line now and then
+    would hold it (and a file descriptor) for ever."""
+
+    def __init__(self, *args: Any, header_timeout_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # start() waits on _waiter only between requests: bytes then, and no complete head yet, are a head begun
+        waiting = self._waiter is not None and not self._waiter.done()
+        if not waiting or self._force_close:
+            self._cancel_header_timer()
+        elif self._header_timer is None and self._header_timeout_s is not None:
+            self._header_timer = self._loop.call_later(self._header_timeout_s, self._head_too_slow)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def close_without_lingering(self) -> None:
+        """After this answer, close at once: aiohttp would otherwise read on (lingering_time, 10 s) what is left
+        of a body, which a client trickling it would use to hold the connection on."""
+        self._lingering_time = 0.0
+        self.close()
+
+    def _head_too_slow(self) -> None:
+        self._header_timer = None
+        if self._waiter is not None and not self._waiter.done():  # still no complete head: no request to answer
+            self.logger.info("closed a client connection: no complete request head in %g s", self._header_timeout_s)
+            self.force_close()
+
     def log_exception(self, *args: Any, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info")
         if isinstance(exc, (HttpProcessingError, web.RequestPayloadError)):  # the client's bytes, not our bug:
@@ -58,16 +100,25 @@ def _phrase(status: int) -> str:
 
 
 class ApiServer(web.Server):
+    header_timeout_s: float | None = None
+
     def __call__(self) -> web.RequestHandler:
-        return ApiRequestHandler(self, loop=self._loop, **self._kwargs)
+        return ApiRequestHandler(self, loop=self._loop, header_timeout_s=self.header_timeout_s, **self._kwargs)
 
 
 class ApiRunner(web.AppRunner):
-    """An AppRunner whose connections answer parser errors in OpenAI's error JSON."""
+    """An AppRunner whose connections answer parser errors in OpenAI's error JSON and close when a request's head
+    takes longer than `header_timeout_s` (None = no bound)."""
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout_s = header_timeout_s
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        return ApiServer(
+        api = ApiServer(
             server.request_handler, request_factory=server.request_factory,
             handler_cancellation=server.handler_cancellation, loop=server._loop, **server._kwargs,
         )
+        api.header_timeout_s = self._header_timeout_s
+        return api

@@ -46,7 +46,9 @@ class GatewayService:
     async def start(self, bus: Bus) -> None:
         app = build_app(bus, self._config, self._models)
         # handler_cancellation: a client that hangs up cancels its handler at once, which sends the Cancel.
-        runner = ApiRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
+        runner = ApiRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
+                           keepalive_timeout=self._config.client_idle_timeout_s,
+                           header_timeout_s=self._config.client_header_timeout_s)
         await runner.setup()
         await web.TCPSite(runner, self._config.host, self._config.port).start()
         self._runner, self._pumps, self._readiness = runner, app[PUMPS], app[READINESS]

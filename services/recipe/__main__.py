@@ -20,7 +20,8 @@ if sys.argv[1:2] == ["parse"]:
 
     sys.exit(parse(sys.argv[2:]))
 
-from services.recipe.service import RecipeService  # noqa: E402 - the commands above must not pay for it
+from services.recipe.admission import AdmissionLimits  # noqa: E402 - the commands above must not pay for it
+from services.recipe.service import RecipeService  # noqa: E402
 from shared.config import ServiceConfig  # noqa: E402
 from shared.service import main  # noqa: E402
 
@@ -46,6 +47,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="chat-template models: read control tokens spelled in client text (<|im_end|>...) as control tokens, "
         "as vLLM does; unsafe (a user can forge turns). By default they are encoded as text",
     )
+    parser.add_argument(
+        "--max-queued-requests", type=int, default=int(env("DEEPINFER_MAX_QUEUED_REQUESTS", "0")),
+        help="requests in flight per model (waiting or running) past which a new one gets a 429 with Retry-After; "
+        "0 = unbounded",
+    )
+    parser.add_argument(
+        "--max-queued-tokens", type=int, default=int(env("DEEPINFER_MAX_QUEUED_TOKENS", "0")),
+        help="prompt tokens in flight per model past which a new request gets a 429 with Retry-After; "
+        "0 = unbounded",
+    )
 
 
 def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
@@ -53,9 +64,10 @@ def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
     specs = [s.strip() for s in config.model.split(",") if s.strip()]
     if args.response_ttl <= 0:
         raise ValueError(f"--response-ttl must be positive, got {args.response_ttl}")
+    admission = AdmissionLimits(args.max_queued_requests, args.max_queued_tokens)  # raises on negatives
     return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace, response_ttl_s=args.response_ttl,
                          served_names=config.served_model_names, max_model_len=config.max_model_len,
-                         trust_client_control_tokens=args.allow_control_tokens_in_user_text)
+                         trust_client_control_tokens=args.allow_control_tokens_in_user_text, admission=admission)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import orjson
 
+from services.recipe.admission import AdmissionLimits, Ledger, Refusal
 from services.recipe.apis.errors import ApiError, error_for, openai_error
 from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
 from services.recipe.convert.fields import check_min_tokens
@@ -52,19 +53,27 @@ def _refuse(error: ApiError) -> PrepareReply:
     return PrepareReply(ok=False, status=error.status, error_body=error.body)
 
 
+def _overloaded(api: str, refusal: Refusal) -> PrepareReply:
+    """A 429 as each vendor sends one: OpenAI's code `rate_limit_exceeded` with the limit as its `type`,
+    Anthropic's `rate_limit_error`; both SDKs read Retry-After (and retry 429s by default)."""
+    error = error_for(api, 429, refusal.message, code="rate_limit_exceeded", kind=refusal.limit)
+    return PrepareReply(ok=False, status=429, error_body=error.body, retry_after_s=refusal.retry_after_s)
+
+
 class RecipeService:
     name = "recipe"
 
     def __init__(
         self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0,
         response_ttl_s: float = DEFAULT_TTL_S, served_names: Sequence[str] = (), max_model_len: int | None = None,
-        trust_client_control_tokens: bool = False,
+        trust_client_control_tokens: bool = False, admission: AdmissionLimits | None = None,
     ) -> None:
         """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load
         in `start`, off the event loop. `response_ttl_s`: how long a stored response is kept. `served_names` (one
         model only): the names clients call it by, the first also the name the workers serve it under;
         `max_model_len`: every model's context, capped. `trust_client_control_tokens`: chat templates read control
-        tokens spelled in client text as control tokens (--allow-control-tokens-in-user-text; unsafe)."""
+        tokens spelled in client text as control tokens (--allow-control-tokens-in-user-text; unsafe).
+        `admission`: the bound on each model's requests in flight (admission.py); None = unbounded."""
         if not model_specs:
             raise ValueError("the recipe needs at least one model")
         if served_names and len(model_specs) != 1:
@@ -81,6 +90,7 @@ class RecipeService:
         self._models: dict[str, ServedModel] = {}
         self._options = ConvertOptions(models={})  # the served models' names and formats, once loaded
         self._flights: dict[str, Flight] = {}
+        self._ledger = Ledger(admission or AdmissionLimits())
         self._token_subs: dict[str, Subscription] = {}
         self._prepare_sub: Subscription | None = None
         self._count_sub: Subscription | None = None
@@ -170,6 +180,11 @@ class RecipeService:
         except Exception:  # a codec bug: the client still gets an answer in its API's format, not a timeout
             log.exception("%s: prepare failed", req.request_id)
             return _refuse(error_for(req.api, 500, "internal error while preparing the request"))
+        # No await from this check to the ledger's enter in _launch: concurrent prepares cannot both take the
+        # last place.
+        if (refusal := self._ledger.check(model.name, len(prompt_ids))) is not None:
+            log.info("%s refused (%s bound): %s", req.request_id, refusal.limit, refusal.message)
+            return _overloaded(req.api, refusal)
         if intent is not None:
             prepared = annotate(prepared, intent)
         return await self._launch(req, prepared, model, prompt_ids, max_tokens)
@@ -232,6 +247,7 @@ class RecipeService:
             count_tokens=model.count_tokens,
         )
         self._flights[rid] = Flight(rid, prepared, processor, time.monotonic())
+        self._ledger.enter(rid, model.name, len(prompt_ids), time.monotonic())  # left in _drop
         # Subscribe before submitting: the first token can come back before this reply does.
         self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
         # tenants never share cached prefixes; within one, only requests with the same cache_salt do
@@ -299,6 +315,7 @@ class RecipeService:
         """End a request's state. Unsubscribing runs as its own task: it may be called from inside the token
         subscription's handler, and unsubscribing there would cancel the handler mid-way."""
         flight = self._flights.pop(rid, None)
+        self._ledger.leave(rid, time.monotonic())
         sub = self._token_subs.pop(rid, None)
         if sub is not None:
             task = asyncio.create_task(_unsubscribe(sub))

@@ -25,6 +25,7 @@ class PrepareReply:
     error_body: bytes = b""  # the API's own error JSON when not ok
     stream: bool = False
     prompt_tokens: int = 0
+    retry_after_s: int = 0  # a refusal for load (429): the Retry-After the client gets; 0 = none
 
 
 @dataclass(frozen=True)

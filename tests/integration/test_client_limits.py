@@ -4,6 +4,8 @@ LangChain's ChatOpenAI sends `max_completion_tokens` (also for `max_tokens=`), L
 serve` send their own bodies (copied here from their request builders: guidellm's openai request handlers, vLLM's
 benchmarks/lib/endpoint_request_func.py), benchmarks with `ignore_eos: true`. With ignore_eos the answer must
 be exactly the limit long; without it, at most the limit. Fields we do not honour get a 400 naming them.
+Past the recipe's bound on requests in flight (`--max-queued-requests`, small here) every client gets a 429 it
+knows, with Retry-After, while the requests admitted finish.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from tests.integration.mesh import Mesh, start_mesh
@@ -26,11 +29,12 @@ MODEL = "SmolLM2-135M-Instruct"
 STORY = "Write a long story about a dragon who learns to bake bread."
 HI = "Say hi."  # answered in 24 tokens, greedy
 LIMIT = 40
+MAX_QUEUED = 3  # this module's requests run one at a time, but the overload case
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = start_mesh(tmp_path_factory.mktemp("mesh"))
+    mesh = start_mesh(tmp_path_factory.mktemp("mesh"), "--max-queued-requests", str(MAX_QUEUED))
     yield mesh
     mesh.stop()
 
@@ -137,3 +141,49 @@ def test_fields_not_honoured_are_named_in_the_400(mesh: Mesh) -> None:
         logprobs=False, presence_penalty=0, n=1, temperature=0,
     )
     assert 0 < reply.usage.completion_tokens <= 3
+
+
+async def _overload(base_url: str) -> None:
+    import anthropic
+
+    long = {"model": MODEL, "messages": [{"role": "user", "content": STORY}], "max_tokens": 120,
+            "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+        # MAX_QUEUED streams in flight, each past its first frame: admitted, and running until its limit
+        streams = [await session.post(f"{base_url}/v1/chat/completions", json=long) for _ in range(MAX_QUEUED)]
+        for r in streams:
+            assert r.status == 200
+            assert (await r.content.readline()).startswith(b"data: ")
+        # the next requests are refused at once, before anything is queued, in each API's own shape
+        chat = {**long, "stream": False, "max_tokens": 3}
+        for _ in range(4):
+            async with session.post(f"{base_url}/v1/chat/completions", json=chat) as r:
+                assert r.status == 429
+                assert int(r.headers["Retry-After"]) >= 1
+                error = (await r.json())["error"]
+                assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+        messages = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+        async with session.post(f"{base_url}/v1/messages", json=messages) as r:
+            assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+            assert (await r.json())["error"]["type"] == "rate_limit_error"
+        oai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="k", max_retries=0, timeout=60)
+        with pytest.raises(openai.RateLimitError) as err:
+            await oai.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+        assert err.value.response.headers["retry-after"]
+        claude = anthropic.AsyncAnthropic(base_url=base_url, api_key="k", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.RateLimitError):
+            await claude.messages.create(**messages)
+        # the admitted streams finish whole
+        for r in streams:
+            frames = [orjson.loads(line[6:]) async for line in r.content
+                      if line.startswith(b"data: {")]
+            finishes = [c["finish_reason"] for f in frames for c in f.get("choices", []) if c.get("finish_reason")]
+            assert finishes == ["length"]
+            r.release()
+        # and their places are free again
+        reply = await oai.chat.completions.create(model=MODEL, messages=messages["messages"], max_tokens=3)
+        assert 0 < reply.usage.completion_tokens <= 3
+
+
+def test_past_the_queue_bound_clients_get_429_with_retry_after(mesh: Mesh) -> None:
+    asyncio.run(_overload(mesh.base_url))

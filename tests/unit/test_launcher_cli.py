@@ -169,6 +169,29 @@ def test_each_flag_reaches_the_services_that_own_it(tmp_path: Path) -> None:
     assert (parsed.max_running, parsed.kv_blocks, parsed.gpu_memory_utilization) == (9, 100, 0.4)
 
 
+def test_admission_and_client_timeouts_reach_the_recipe_and_the_gateway(tmp_path: Path) -> None:
+    from services.gateway.config import add_args as add_gateway_args
+    from services.gateway.config import gateway_config
+    from services.recipe.__main__ import add_args as add_recipe_args
+
+    args = cli_up.parse(["--max-queued-requests", "5", "--max-queued-tokens", "900", "--client-idle-timeout", "7",
+                         "--client-header-timeout", "3", "--client-body-timeout", "11"])
+    children = {c.service: c.argv[3:] for c in build_plan(args, tmp_path, "nats://127.0.0.1:4222").children}
+    recipe = argparse.ArgumentParser()
+    add_common_args(recipe, "recipe")
+    add_recipe_args(recipe)
+    parsed = recipe.parse_args(children["recipe"])
+    assert (parsed.max_queued_requests, parsed.max_queued_tokens) == (5, 900)
+    gateway = argparse.ArgumentParser()
+    add_common_args(gateway, "gateway")
+    add_gateway_args(gateway)
+    config = gateway_config(gateway.parse_args(children["gateway"]))
+    assert (config.client_idle_timeout_s, config.client_header_timeout_s, config.client_body_timeout_s) == (7, 3, 11)
+    for bad in (["--max-queued-requests", "-1"], ["--client-body-timeout", "0"]):
+        with pytest.raises(SystemExit):
+            cli_up.parse(bad)
+
+
 def test_the_banner_sends_the_key_when_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DEEPINFER_API_KEY", raising=False)
     plain = how_to_call(cli_up.parse([]), "m")

@@ -28,6 +28,7 @@ from services.gateway import genai
 from services.gateway.auth import presented_key, tenant_of
 from services.gateway.errors import ApiError, ErrorFormat, error_response, json_response
 from services.gateway.metrics import Metrics
+from services.gateway.protocol import ApiRequestHandler
 from services.gateway.routes.table import ApiRoute
 from services.gateway.streaming import EventPump, PumpAborted, Pumps
 from shared import subjects
@@ -60,6 +61,11 @@ class RequestEnded(Exception):
         self.reason = reason
 
 
+# Seconds a handler may spend reading one body (--client-body-timeout). An app setting rather than an argument:
+# every route that reads a body reads it through read_json, and a missing key (an app built by a test) = none.
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
+
+
 async def read_json_object(request: web.Request, max_bytes: int) -> bytes:
     """The raw body, once known to be a JSON object (the recipe validates the rest)."""
     return (await read_json(request, max_bytes))[0]
@@ -73,7 +79,12 @@ async def read_json(request: web.Request, max_bytes: int) -> tuple[bytes, dict[s
     try:
         # aiohttp decompresses a Content-Encoding (gzip, deflate) as it reads; client_max_size counts the
         # decompressed bytes, so neither a chunked body nor a zip bomb gets past max_bytes.
-        body = await request.read()
+        async with asyncio.timeout(request.app.get(BODY_TIMEOUT)):
+            body = await request.read()
+    except TimeoutError:  # a client trickling its body holds a connection and a handler: 408, as nginx's
+        if isinstance(request.protocol, ApiRequestHandler):
+            request.protocol.close_without_lingering()
+        raise ApiError(408, f"the request body took longer than {request.app[BODY_TIMEOUT]:g} s to arrive") from None
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
     except web.RequestPayloadError as exc:  # a body that is not in its Content-Encoding, or cut short
@@ -167,6 +178,8 @@ class GenerateHandler:
             try:
                 reply = await self._prepare(prepare)
                 if not reply.ok:
+                    if reply.retry_after_s:  # refused for load, before anything was queued
+                        headers["Retry-After"] = str(reply.retry_after_s)
                     return json_response(reply.status, reply.error_body, headers)
                 model = str(parsed.get("model", ""))  # the recipe accepted it: one of the served names
                 pump.meter = self._metrics.meter(model, stream=reply.stream, prompt_tokens=reply.prompt_tokens,

@@ -13,8 +13,10 @@ class ApiError(Exception):
         self.message = message
 
 
-def openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(status, openai_error_body(status, message, param=param, code=code), message)
+def openai_error(
+    status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str | None = None
+) -> ApiError:
+    return ApiError(status, openai_error_body(status, message, param=param, code=code, kind=kind), message)
 
 
 def anthropic_error(status: int, message: str) -> ApiError:
@@ -22,10 +24,11 @@ def anthropic_error(status: int, message: str) -> ApiError:
 
 
 def error_for(
-    api: str, status: int, message: str, *, code: str | None = None, param: str | None = None
+    api: str, status: int, message: str, *, code: str | None = None, param: str | None = None,
+    kind: str | None = None,
 ) -> ApiError:
     """An error in the API's own format: Anthropic's for Messages, OpenAI's for the rest (with the field at
-    fault as `param`, where known)."""
+    fault as `param`, where known, and `kind` as the `type` when given)."""
     if api == "messages":
         return anthropic_error(status, message)
-    return openai_error(status, message, param=param, code=code)
+    return openai_error(status, message, param=param, code=code, kind=kind)
