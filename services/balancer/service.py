@@ -8,6 +8,8 @@
     worker silent for `worker_timeout_s`: it leaves the pool; its prefill jobs go to another worker, its decode
         jobs fail with a 503 TokenEvent (the generated tokens were only on that worker)
     workers.done / requests.cancel / the next role taking over / a TTL: the assignment is forgotten
+    every request it fails it also cancels on `requests.cancel` (every hop frees it), and again to the worker
+        that lost it when that worker comes back: its JetStream jobs are redelivered to the restarted instance
 
 Placement and its bookkeeping happen without an `await` in between, so concurrent handlers each see the work
 the others just placed (see registry.py on pending assignments).
@@ -41,6 +43,8 @@ from shared.schemas.generate import Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
 log = logging.getLogger(__name__)
+
+FAILED_MEMORY_S = 600.0  # how long a lost worker's failed requests are kept to cancel again when it returns
 
 
 class BalancerService:
@@ -85,6 +89,7 @@ class BalancerService:
         self._ttl_override = assignment_ttl_s
         self._clock = clock
         self._waiting: dict[tuple[str, str], float] = {}  # (request id, role) -> when it started waiting
+        self._failed_on: dict[str, dict[str, float]] = {}  # worker -> requests failed when it was lost -> when
         self.stats: Counter[str] = Counter()
         self._bus: Bus | None = None
         self._queues: list[WorkQueue] = []
@@ -242,11 +247,13 @@ class BalancerService:
         return now
 
     async def _fail(self, request_id: str, error: str) -> None:
-        """End a request with an explicit error, so the client gets a 503 rather than a hang."""
+        """End a request with an explicit error, so the client gets a 503 rather than a hang, and cancel it: a
+        worker that still holds it (silent, not dead) or gets it again must not work for nobody."""
         assert self._bus is not None
         # Index 0: the balancer does not know how far the request got. Consumers end a stream on any error event.
         event = TokenEvent(request_id, index=0, token_ids=[], finish_reason="error", error=error, error_status=503)
         await self._bus.publish(subjects.tokens(request_id), event)
+        await self._bus.publish(subjects.CANCEL, Cancel(request_id, reason=error))
 
     # --- pool changes ------------------------------------------------------------------------------------------
 
@@ -279,6 +286,10 @@ class BalancerService:
         if self._feed is not None:
             self._feed.expire(now)
         self._waiting = {k: t for k, t in self._waiting.items() if now - t < 2 * self._route_wait_s + 60}
+        for worker_id, failed in list(self._failed_on.items()):  # a worker that never comes back
+            self._failed_on[worker_id] = {r: t for r, t in failed.items() if now - t < FAILED_MEMORY_S}
+            if not self._failed_on[worker_id]:
+                del self._failed_on[worker_id]
 
     async def _recover(self, lost: Assignment, now: float) -> None:
         role = self._roles.get(lost.role)
@@ -296,6 +307,7 @@ class BalancerService:
                     self.stats["rerouted"] += 1
                     return
             self.stats["failed_worker_lost"] += 1
+            self._failed_on.setdefault(lost.worker_id, {})[lost.request_id] = now
             await self._fail(lost.request_id, "worker lost")
 
     # --- broadcasts --------------------------------------------------------------------------------------------
@@ -303,6 +315,14 @@ class BalancerService:
     async def _on_heartbeat(self, beat: Heartbeat, _: Envelope) -> None:
         if self.registry.observe(beat, self._clock()):
             log.info("worker %s (%s, %s) joined the pool", beat.worker_id, beat.role, beat.model)
+            await self._recancel(beat.worker_id)
+
+    async def _recancel(self, worker_id: str) -> None:
+        """A worker back after being lost (restarted: the Cancels sent meanwhile never reached it) is told again
+        which of its requests ended, before the redeliveries of their jobs would run them for nobody."""
+        assert self._bus is not None
+        for request_id in self._failed_on.pop(worker_id, {}):
+            await self._bus.publish(subjects.CANCEL, Cancel(request_id, reason="worker lost"))
 
     async def _on_done(self, done: RequestDone, _: Envelope) -> None:
         self.assignments.drop(done.request_id, done.role, done.worker_id)
