@@ -225,6 +225,7 @@ class EngineWorker(ABC):
             return
         self.active.add(request_id)
         self.jobs["run"] += 1
+        failed = False
         try:
             await self.handle(job, env)
         except RequestError as exc:
@@ -235,12 +236,14 @@ class EngineWorker(ABC):
                                                  error=str(exc), error_status=400), env)
         except Exception:
             if request_id not in self._cancelled:
+                failed = True  # redelivered to try again: not an end to remember
                 raise
             # the cancel freed the request under a step of it (an export, a store): the work is over, not failed
             log.info("%s: cancelled mid-job", request_id)
         finally:
             self.active.discard(request_id)
-            self._end(request_id)
+            if not failed:
+                self._end(request_id)
             if request_id in self._cancelled:
                 self.jobs["cancelled"] += 1
             assert self.bus is not None
@@ -257,8 +260,7 @@ class EngineWorker(ABC):
         now = time.monotonic()
         self._ended.pop(request_id, None)  # re-inserted last: the dict stays in time order for _forget
         self._ended[request_id] = now
-        if len(self._ended) % 64 == 0:  # amortised: the memory is only read by lookups
-            self._forget(now)
+        self._forget(now)  # stops at the first fresh entry: constant work per call, amortised
 
     def _forget(self, now: float) -> None:
         for request_id, at in list(self._ended.items()):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from services.decode.service import DecodeService
@@ -45,8 +46,12 @@ class FakeKv:
         self.puts: list[list[bytes]] = []
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
+        self.fail_gets = 0  # the next gets that fail (the store unreachable)
 
     async def get_run(self, hashes: list[bytes]) -> list[bytes]:
+        if self.fail_gets:
+            self.fail_gets -= 1
+            raise ConnectionError("store unreachable")
         return []
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
@@ -142,4 +147,18 @@ async def test_a_job_for_a_request_that_ended_is_dropped_unrun(checkpoint: Path,
     await svc._on_job(job("done", max_tokens=4), ENV)  # redelivered after it finished
     assert tokens_of(svc, "early") == 0 and tokens_of(svc, "done") == 4 - 1  # prefill sent the first
     assert svc.jobs == {"run": 1, "dropped": 2}
+    await svc.engine.stop()
+
+
+async def test_a_job_that_failed_is_not_an_end_its_redelivery_runs(checkpoint: Path,  # noqa: F811
+                                                                   loaded: LoadedModel) -> None:  # noqa: F811
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    kv: FakeKv = svc.kv  # type: ignore[assignment]
+    kv.fail_gets = 1
+    with pytest.raises(ConnectionError):  # the bus naks it: redelivered
+        await svc._on_job(job("r1", max_tokens=4), ENV)
+    await svc._on_job(job("r1", max_tokens=4), ENV)
+    assert tokens_of(svc, "r1") == 4 - 1
+    assert svc.jobs == {"run": 2}
     await svc.engine.stop()
