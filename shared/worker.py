@@ -273,7 +273,7 @@ class EngineWorker(ABC):
         """Mark, and leave the engine to the aborter: this handler never waits for a step (the subscription runs
         its messages one at a time, so waiting here would queue every later cancel behind it)."""
         request_id = cancel.request_id
-        if request_id in self._cancelled:
+        if request_id in self._cancelled or cancel.worker_id not in ("", self.config.instance):
             return
         self._cancelled.add(request_id)
         self._end(request_id)

@@ -187,6 +187,9 @@ async def test_gateway_cancel_drops_the_request(mesh: Mesh) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     rid, reply, events = await mesh.prepare("chat", body)
     assert reply.ok and mesh.recipe.health() == (True, "1 in flight")
+    await mesh.bus.publish(subjects.CANCEL, Cancel(rid, reason="re-routed", worker_id="prefill-0"))  # one worker's
+    await asyncio.sleep(0.1)
+    assert mesh.recipe.health() == (True, "1 in flight")
     await mesh.bus.publish(subjects.CANCEL, Cancel(rid, reason="client disconnected"))
     await asyncio.sleep(0.1)
     assert mesh.recipe.health() == (True, "0 in flight")

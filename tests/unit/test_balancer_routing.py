@@ -188,6 +188,23 @@ async def test_a_lost_worker_that_comes_back_is_told_again_what_ended_while_it_w
     assert cancels(bus) == [("r1", "worker lost")] * 2
 
 
+async def test_a_rerouted_request_is_let_go_by_the_lost_worker_alone(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await svc.route("prefill", request("r1"))
+    clock.t += 2.0
+    await heartbeat(svc, "p2", clock)
+    clock.t += 2.0
+    await svc.reap(clock.t)  # p1 silent: r1 goes to p2
+    targeted = [m for s, m in bus.published if s == subjects.CANCEL]
+    assert targeted == [Cancel("r1", "re-routed", worker_id="p1")]
+    await svc._on_cancel(targeted[0], ENV)  # its own broadcast comes back: the request lives on at p2
+    assert svc.assignments.get("r1", "prefill").worker_id == "p2"  # type: ignore[union-attr]
+    await heartbeat(svc, "p1", clock)  # p1 restarted: its redelivered job for r1 must not run there
+    assert [m for s, m in bus.published if s == subjects.CANCEL] == targeted * 2
+    assert errors(bus) == []
+
+
 async def test_decode_waits_for_room_and_clears_the_prefill_assignment(setup: Any) -> None:
     svc, bus, clock = setup
     await heartbeat(svc, "p1", clock)

@@ -142,6 +142,7 @@ async def test_a_job_for_a_request_that_ended_is_dropped_unrun(checkpoint: Path,
     svc = worker(checkpoint, loaded)
     assert svc.engine is not None
     await svc._on_cancel(Cancel("early", "client disconnected"), ENV)  # overtook its job
+    await svc._on_cancel(Cancel("done", "re-routed", worker_id="decode-other"), ENV)  # another worker's to drop
     await svc._on_job(job("early", max_tokens=4), ENV)
     await svc._on_job(job("done", max_tokens=4), ENV)
     await svc._on_job(job("done", max_tokens=4), ENV)  # redelivered after it finished
