@@ -3,6 +3,11 @@ the balancers, free a request's KV on cancel, report health.
 
 A worker's job handler is its role; everything else is here. The work message is acked when the job is done
 (kept alive meanwhile), so a worker that dies mid-job has its job redelivered rather than lost.
+
+A request that ended here (done, or cancelled on `requests.cancel`) is remembered for a while: its job, should it
+come again (redelivered, or overtaken by its cancel), is settled at once and not run. Cancels are marked as they
+arrive and aborted in batches, one engine call per step boundary for all of them, so a flood of hang-ups never
+waits a step each; a cancel that lands while the KV is being exported ends that work quietly (no redelivery).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +42,7 @@ from shared.schemas.workers import Heartbeat, RequestDone
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
-CANCEL_MEMORY_S = 300.0  # a cancel may overtake its job on the way here: remember it this long
+ENDED_MEMORY_S = 300.0  # a cancel may overtake its job, a redelivery may follow its end: remember them this long
 STATE_PART_OVERHEAD = 64 * 1024  # room for the key, msgpack framing and trace headers around one state part
 
 
@@ -101,7 +107,11 @@ class EngineWorker(ABC):
         self._kv_bus: Bus | None = None  # the KV store's own connection (see start)
         self.engine: AsyncEngine | None = None
         self.active: set[str] = set()
-        self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
+        self._ended: dict[str, float] = {}  # request id -> when it was cancelled or finished here (see _forget)
+        self._cancelled: set[str] = set()  # of those, the ones a Cancel ended (their work stops where it is)
+        self._to_abort: set[str] = set()  # cancelled while active, not yet aborted in the engine
+        self._aborter: asyncio.Task[None] | None = None
+        self.jobs: Counter[str] = Counter()  # jobs run / dropped (already ended) / cancelled, for health
         self._status = "loading model"
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: WorkQueue | None = None
@@ -123,9 +133,16 @@ class EngineWorker(ABC):
         ready = self.engine is not None and self._queue is not None
         if not ready or self.engine is None:
             return False, self._status
-        detail: dict[str, Any] = {"status": self._status, "kv": dict(self.kv.counts) if self.kv else {}}
+        stats = self.engine.stats
+        detail: dict[str, Any] = {
+            "status": self._status,
+            "kv": dict(self.kv.counts) if self.kv else {},
+            "jobs": dict(self.jobs),
+            "active": len(self.active),
+            "free_blocks": stats.free_blocks,
+            "total_blocks": stats.total_blocks,
+        }
         if self.worker.speculative_tokens:
-            stats = self.engine.stats
             detail["mtp"] = {"drafted": stats.drafted, "accepted": stats.accepted}
         return True, orjson.dumps(detail).decode()
 
@@ -135,8 +152,7 @@ class EngineWorker(ABC):
         for task in self._tasks:
             task.cancel()
         if self.engine is not None:
-            for request_id in list(self.active):
-                await self.engine.abort(request_id)
+            await self.engine.abort_many(list(self.active))
             await self.engine.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
@@ -201,10 +217,15 @@ class EngineWorker(ABC):
 
     async def _on_job(self, job: Any, env: Envelope) -> None:
         request_id = job.request.request_id
-        if request_id in self._cancelled:
-            log.info("skipping %s: cancelled before it arrived", request_id)
+        if request_id in self._ended or request_id in self.active:
+            # settled (acked), not run: the client has had its answer or its cancel, or the job is running already
+            self.jobs["dropped"] += 1
+            log.info("dropping a job for %s: %s", request_id,
+                     "running already" if request_id in self.active else "the request already ended")
             return
         self.active.add(request_id)
+        self.jobs["run"] += 1
+        failed = False
         try:
             await self.handle(job, env)
         except RequestError as exc:
@@ -213,23 +234,63 @@ class EngineWorker(ABC):
             log.info("%s: refused by the engine: %s", request_id, exc)
             await self.publish_tokens(TokenEvent(request_id, index=0, token_ids=[], finish_reason="error",
                                                  error=str(exc), error_status=400), env)
+        except Exception:
+            if request_id not in self._cancelled:
+                failed = True  # redelivered to try again: not an end to remember
+                raise
+            # the cancel freed the request under a step of it (an export, a store): the work is over, not failed
+            log.info("%s: cancelled mid-job", request_id)
         finally:
             self.active.discard(request_id)
+            if not failed:
+                self._end(request_id)
+            if request_id in self._cancelled:
+                self.jobs["cancelled"] += 1
             assert self.bus is not None
             await self.bus.publish(subjects.WORKER_DONE, RequestDone(request_id, self.config.instance, self.role))
 
     @abstractmethod
     async def handle(self, job: Any, env: Envelope) -> None: ...
 
-    async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+    def cancelled(self, request_id: str) -> bool:
+        """Whether a Cancel ended the request: its handler stops at the next stage rather than start it."""
+        return request_id in self._cancelled
+
+    def _end(self, request_id: str) -> None:
         now = time.monotonic()
-        self._cancelled[cancel.request_id] = now
-        for request_id, at in list(self._cancelled.items()):
-            if now - at > CANCEL_MEMORY_S:
-                del self._cancelled[request_id]
-        if cancel.request_id in self.active and self.engine is not None:
-            log.info("cancel %s (%s)", cancel.request_id, cancel.reason)
-            await self.engine.abort(cancel.request_id)
+        self._ended.pop(request_id, None)  # re-inserted last: the dict stays in time order for _forget
+        self._ended[request_id] = now
+        self._forget(now)  # stops at the first fresh entry: constant work per call, amortised
+
+    def _forget(self, now: float) -> None:
+        for request_id, at in list(self._ended.items()):
+            if now - at <= ENDED_MEMORY_S:
+                break  # insertion order is time order
+            del self._ended[request_id]
+            self._cancelled.discard(request_id)
+
+    async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+        """Mark, and leave the engine to the aborter: this handler never waits for a step (the subscription runs
+        its messages one at a time, so waiting here would queue every later cancel behind it)."""
+        request_id = cancel.request_id
+        if request_id in self._cancelled or cancel.worker_id not in ("", self.config.instance):
+            return
+        self._cancelled.add(request_id)
+        self._end(request_id)
+        if request_id in self.active:
+            log.info("cancel %s (%s)", request_id, cancel.reason)
+            self._to_abort.add(request_id)
+            if self._aborter is None or self._aborter.done():
+                self._aborter = asyncio.create_task(self._abort_pending())
+
+    async def _abort_pending(self) -> None:
+        """Abort every request cancelled since the last engine call, all in one call between two steps."""
+        while self._to_abort and self.engine is not None:
+            batch, self._to_abort = list(self._to_abort), set()
+            try:
+                await self.engine.abort_many(batch)
+            except Exception:  # the request may be gone already; never let one failure strand the rest
+                log.exception("aborting %d cancelled requests failed", len(batch))
 
     def state_part_bytes(self) -> int:
         """The largest part of a snapshot one message carries."""
@@ -248,19 +309,22 @@ class EngineWorker(ABC):
                        ) -> bytes:
         """Put a held request's KV of `tokens` (all computed) in the kvcache service: its full blocks from block
         `stored` on (long-term, under `hashes`), and a snapshot at the end (short-term: the partial block and
-        the model's state). Returns the snapshot's key, b"" when there was nothing beyond full blocks."""
+        the model's state). Returns the snapshot's key, b"" when there was nothing beyond full blocks, or when
+        a cancel ended the request on the way (what was stored stays: it is valid KV for the next request)."""
         assert self.engine is not None and self.kv is not None
         engine = self.engine.engine
         block = engine.block_tokens
         full = len(tokens) // block
-        if full > stored:
+        if full > stored and not self.cancelled(request_id):
             blobs = await self.engine.call(engine.export_blocks, request_id, stored, full)
             await self.kv.put_many(list(zip(hashes[stored:full], blobs)))
+        if self.cancelled(request_id):
+            return b""
         tail = b""
         if len(tokens) % block:
             (tail,) = await self.engine.call(engine.export_blocks, request_id, full, full + 1)
         state = await self.engine.call(engine.export_state, request_id) if engine.has_request_state else b""
-        if not tail and not state:
+        if (not tail and not state) or self.cancelled(request_id):
             return b""
         snap = short_term.Snapshot(len(tokens), tail, state)
         return await short_term.save(self.kv, tokens, ns, hashes, block, snap, self.state_part_bytes())

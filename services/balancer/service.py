@@ -8,6 +8,9 @@
     worker silent for `worker_timeout_s`: it leaves the pool; its prefill jobs go to another worker, its decode
         jobs fail with a 503 TokenEvent (the generated tokens were only on that worker)
     workers.done / requests.cancel / the next role taking over / a TTL: the assignment is forgotten
+    every request it fails it also cancels on `requests.cancel` (every hop frees it); when a lost worker comes
+        back, it is told again what it lost (failed: a Cancel; re-routed: a Cancel for that worker alone), since
+        its JetStream jobs are redelivered to the restarted instance and must not run for nobody
 
 Placement and its bookkeeping happen without an `await` in between, so concurrent handlers each see the work
 the others just placed (see registry.py on pending assignments).
@@ -41,6 +44,8 @@ from shared.schemas.generate import Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
 log = logging.getLogger(__name__)
+
+LOST_MEMORY_S = 600.0  # how long what a lost worker held is kept, to tell it again when it returns
 
 
 class BalancerService:
@@ -85,6 +90,8 @@ class BalancerService:
         self._ttl_override = assignment_ttl_s
         self._clock = clock
         self._waiting: dict[tuple[str, str], float] = {}  # (request id, role) -> when it started waiting
+        # worker -> request id -> (when, the Cancel to send it again when it returns): what it lost while gone
+        self._lost_on: dict[str, dict[str, tuple[float, Cancel]]] = {}
         self.stats: Counter[str] = Counter()
         self._bus: Bus | None = None
         self._queues: list[WorkQueue] = []
@@ -242,11 +249,13 @@ class BalancerService:
         return now
 
     async def _fail(self, request_id: str, error: str) -> None:
-        """End a request with an explicit error, so the client gets a 503 rather than a hang."""
+        """End a request with an explicit error, so the client gets a 503 rather than a hang, and cancel it: a
+        worker that still holds it (silent, not dead) or gets it again must not work for nobody."""
         assert self._bus is not None
         # Index 0: the balancer does not know how far the request got. Consumers end a stream on any error event.
         event = TokenEvent(request_id, index=0, token_ids=[], finish_reason="error", error=error, error_status=503)
         await self._bus.publish(subjects.tokens(request_id), event)
+        await self._bus.publish(subjects.CANCEL, Cancel(request_id, reason=error))
 
     # --- pool changes ------------------------------------------------------------------------------------------
 
@@ -279,6 +288,10 @@ class BalancerService:
         if self._feed is not None:
             self._feed.expire(now)
         self._waiting = {k: t for k, t in self._waiting.items() if now - t < 2 * self._route_wait_s + 60}
+        for worker_id, lost in list(self._lost_on.items()):  # a worker that never comes back
+            self._lost_on[worker_id] = {r: e for r, e in lost.items() if now - e[0] < LOST_MEMORY_S}
+            if not self._lost_on[worker_id]:
+                del self._lost_on[worker_id]
 
     async def _recover(self, lost: Assignment, now: float) -> None:
         role = self._roles.get(lost.role)
@@ -294,8 +307,14 @@ class BalancerService:
                 if worker is not None:
                     log.info("re-routed %s %s from %s to %s", lost.role, lost.request_id, lost.worker_id, worker)
                     self.stats["rerouted"] += 1
+                    moved = Cancel(lost.request_id, "re-routed", worker_id=lost.worker_id)
+                    self._lost_on.setdefault(lost.worker_id, {})[lost.request_id] = (now, moved)
+                    if self._bus is not None:  # alive but silent: it stops now, not when it finishes for nobody
+                        await self._bus.publish(subjects.CANCEL, moved)
                     return
             self.stats["failed_worker_lost"] += 1
+            failed = Cancel(lost.request_id, "worker lost")
+            self._lost_on.setdefault(lost.worker_id, {})[lost.request_id] = (now, failed)
             await self._fail(lost.request_id, "worker lost")
 
     # --- broadcasts --------------------------------------------------------------------------------------------
@@ -303,6 +322,14 @@ class BalancerService:
     async def _on_heartbeat(self, beat: Heartbeat, _: Envelope) -> None:
         if self.registry.observe(beat, self._clock()):
             log.info("worker %s (%s, %s) joined the pool", beat.worker_id, beat.role, beat.model)
+            await self._recancel(beat.worker_id)
+
+    async def _recancel(self, worker_id: str) -> None:
+        """A worker back after being lost (restarted: the Cancels sent meanwhile never reached it) is told again
+        which of its requests ended or moved on, before the redeliveries of their jobs would run them again."""
+        assert self._bus is not None
+        for _, cancel in self._lost_on.pop(worker_id, {}).values():
+            await self._bus.publish(subjects.CANCEL, cancel)
 
     async def _on_done(self, done: RequestDone, _: Envelope) -> None:
         self.assignments.drop(done.request_id, done.role, done.worker_id)
@@ -310,6 +337,8 @@ class BalancerService:
             self.affinity.done(done.request_id, done.worker_id, self._clock())
 
     async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+        if cancel.worker_id:
+            return  # one worker letting go of a request that moved on (our own re-route): it lives on
         self.assignments.cancel(cancel.request_id, list(self._roles), self._clock())
         for role in self._roles:
             self._waiting.pop((cancel.request_id, role), None)

@@ -40,6 +40,8 @@ class DecodeService(EngineWorker):
         if prefix_tokens < len(prompt):
             log.info("%s: %d of %d prompt tokens not in the store, recomputing", req.request_id,
                      len(prompt) - prefix_tokens, len(prompt))
+        if self.cancelled(req.request_id):
+            return  # the client left while the prompt's KV was fetched: nothing is in the engine yet
         tokens = [*prompt, job.first_token]
         engine_req = EngineRequest(
             request_id=req.request_id,

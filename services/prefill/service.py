@@ -36,6 +36,8 @@ class PrefillService(EngineWorker):
         ns = hashing.namespace(engine.cache_id, req.cache_salt)
         hashes = hashing.block_hashes(prompt, ns, block)
         prefix, prefix_tokens, state = await self._restore(prompt, ns, hashes)
+        if self.cancelled(req.request_id):
+            return  # the client left while the prefix was fetched: nothing is in the engine yet
         engine_req = EngineRequest(
             request_id=req.request_id,
             cache_salt=req.cache_salt,
@@ -78,6 +80,8 @@ class PrefillService(EngineWorker):
                       time.monotonic() - started)
         finally:
             await self.engine.call(engine.release, req.request_id)
+        if self.cancelled(req.request_id):
+            return  # cancelled during the store: nobody is waiting for a decode
         handoff = DecodeJob(
             request=req,
             first_token=token,

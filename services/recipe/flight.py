@@ -4,7 +4,7 @@
 
 The first event carries the prompt usage (-> Ready), every event's ids go in order (-> Tokens), the engine's
 finish ends the turn (-> End). A stop sequence or an end-of-sentence token can end it first: then the workers
-must be told to cancel. A mesh error becomes an error response in the API's format.
+must be told to cancel. A mesh error becomes an error response in the API's format, and a cancel too.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class Flight:
             return None
         self.last_seen = now
         if ev.error or ev.finish_reason not in (None, *ENGINE_FINISH):
-            return self.fail(ev.error_status or 503, ev.error or f"the request ended: {ev.finish_reason}")
+            # the request is over for the client: every hop still holding it (another worker, a redelivery) lets go
+            return self.fail(ev.error_status or 503, ev.error or f"the request ended: {ev.finish_reason}", "error")
         if ev.index < self._next or ev.index in self._pending:
             return None  # a duplicate (redelivered work): already seen
         self._pending[ev.index] = ev

@@ -308,6 +308,8 @@ class RecipeService:
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason=out.cancel))
 
     async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+        if cancel.worker_id:
+            return  # one worker letting go of a request that moved on: the request itself goes on
         if self._drop(cancel.request_id):
             log.info("%s cancelled: %s", cancel.request_id, cancel.reason)
 

@@ -76,13 +76,14 @@ class AsyncEngine:
         """
         queue: asyncio.Queue[StepOutput | None] = asyncio.Queue()
         self._outputs[req.request_id] = queue
-        finished = False
+        finished = aborted = False
         try:
             await self.call(self.engine.add, req)
             self._wakeup.set()
             while True:
                 out = await queue.get()
-                if out is None:  # aborted
+                if out is None:  # aborted (by abort/abort_many, a failed step or stop: the engine let it go)
+                    aborted = True
                     return
                 yield out
                 if out.finish_reason is not None:
@@ -90,14 +91,24 @@ class AsyncEngine:
                     return
         finally:
             self._outputs.pop(req.request_id, None)
-            if not finished and not self._stopped:
+            if not finished and not aborted and not self._stopped:
                 await self.call(self.engine.abort, req.request_id)
 
     async def abort(self, request_id: str) -> None:
-        queue = self._outputs.pop(request_id, None)
-        await self.call(self.engine.abort, request_id)
-        if queue is not None:
+        await self.abort_many([request_id])
+
+    async def abort_many(self, request_ids: list[str]) -> None:
+        """Abort all of them in one engine call: a burst of cancels costs one step boundary, not one each."""
+        if not request_ids:
+            return
+        queues = [q for q in (self._outputs.pop(r, None) for r in request_ids) if q is not None]
+        await self.call(self._abort_all, request_ids)
+        for queue in queues:
             queue.put_nowait(None)
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort(request_id)
 
     async def _run(self) -> None:
         while not self._stopped:

@@ -75,7 +75,9 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Cancel:
-    """Broadcast on `requests.cancel`: every hop frees what it holds for the request."""
+    """Broadcast on `requests.cancel`: every hop frees what it holds for the request. With `worker_id`, only that
+    worker lets go: the request lives on elsewhere (re-routed away from it), everyone else keeps it."""
 
     request_id: str
     reason: str = "cancelled"
+    worker_id: str = ""

@@ -107,6 +107,61 @@ def test_killing_the_kvcache_service_under_load_fails_no_request(mesh: Mesh) -> 
     assert any("kvcache-0 exited" in line for line in mesh.output)
 
 
+async def _worker_health(nats_url: str, role: str) -> dict:
+    bus = await Bus.connect(nats_url, "test-health")
+    try:
+        reply = await bus.request(health_subject(role, f"{role}-0"), HealthRequest(), HealthReply, timeout=10)
+        return orjson.loads(reply.detail)
+    finally:
+        await bus.drain()
+
+
+def test_a_storm_of_hang_ups_frees_every_block_and_redelivers_nothing(mesh: Mesh) -> None:
+    """30 streams opened and dropped at once, half while queued for prefill, half once decoding: every worker
+    lets go of every block within seconds, by its own report, and no work message fails into redelivery."""
+    logs = {role: mesh.state_dir / "logs" / f"{role}-0.log" for role in ("prefill", "decode")}
+    seen = {role: path.stat().st_size for role, path in logs.items()}
+
+    async def hang_up(session: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": MODEL, "stream": True, "max_tokens": 2000, "temperature": 0.8,
+                "messages": [{"role": "user", "content": f"Story {i}: {STORY} Now tell me a much longer one."}]}
+        async with session.post(f"{mesh.base_url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            if i % 2:
+                async for line in r.content:  # until the first token: the request is decoding
+                    if line.startswith(b"data: {"):
+                        break
+        # leaving the block closes the connection: the gateway cancels the request
+
+    async def settled() -> dict[str, dict]:
+        deadline = time.monotonic() + 60  # a bound on a failure, not the expectation (seconds)
+        while True:
+            reports = {role: await _worker_health(mesh.nats_url, role) for role in logs}
+            if all(r["active"] == 0 and r["free_blocks"] == r["total_blocks"] for r in reports.values()):
+                return reports
+            if time.monotonic() > deadline:
+                return reports
+            await asyncio.sleep(0.2)
+
+    async def scenario() -> dict[str, dict]:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(hang_up(session, i) for i in range(30)))
+        return await settled()
+
+    reports = asyncio.run(scenario())
+    for role, report in reports.items():
+        assert report["active"] == 0, (role, report)
+        assert report["free_blocks"] == report["total_blocks"], (role, report)
+    time.sleep(2.0)  # a cancel that raised would nak with a 1 s delay: give it the time to show
+    for role, path in logs.items():
+        with path.open("rb") as f:
+            f.seek(seen[role])
+            written = f.read().decode(errors="replace")
+        assert "redelivering" not in written and "retrying work message" not in written, written[-3000:]
+    jobs = {role: report["jobs"] for role, report in reports.items()}
+    assert sum(j.get("cancelled", 0) + j.get("dropped", 0) for j in jobs.values()) > 0, jobs
+
+
 def _health_until(mesh: Mesh, status: int, timeout: float) -> tuple[int, dict]:
     """Poll /health (as a load balancer would) until it answers `status`; the last answer."""
 

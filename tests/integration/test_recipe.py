@@ -187,6 +187,9 @@ async def test_gateway_cancel_drops_the_request(mesh: Mesh) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     rid, reply, events = await mesh.prepare("chat", body)
     assert reply.ok and mesh.recipe.health() == (True, "1 in flight")
+    await mesh.bus.publish(subjects.CANCEL, Cancel(rid, reason="re-routed", worker_id="prefill-0"))  # one worker's
+    await asyncio.sleep(0.1)
+    assert mesh.recipe.health() == (True, "1 in flight")
     await mesh.bus.publish(subjects.CANCEL, Cancel(rid, reason="client disconnected"))
     await asyncio.sleep(0.1)
     assert mesh.recipe.health() == (True, "0 in flight")
@@ -201,6 +204,8 @@ async def test_mesh_error_and_ttl_expiry(mesh: Mesh) -> None:
     await mesh.tokens(rid, TokenEvent(rid, 0, [], "error", error="no prefill worker", error_status=503))
     (failed,) = await mesh.until_done(events)
     assert failed.status == 503 and orjson.loads(failed.body)["error"]["message"] == "no prefill worker"
+    # over for the client, so over everywhere: a worker still holding it (or getting it again) lets go
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="error")
 
     rid, _, events = await mesh.prepare("messages", {**body, "max_tokens": 8, "stream": True})
     (expired,) = await mesh.until_done(events)  # ttl_s=0.5 and no tokens ever come

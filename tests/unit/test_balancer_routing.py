@@ -152,6 +152,59 @@ async def test_lost_prefill_worker_with_no_other_worker_fails(setup: Any) -> Non
     assert len(svc.assignments) == 0
 
 
+def cancels(bus: FakeBus) -> list[tuple[str, str]]:
+    return [(m.request_id, m.reason) for s, m in bus.published if s == subjects.CANCEL and isinstance(m, Cancel)]
+
+
+async def test_every_failure_it_sends_the_client_is_also_a_cancel(setup: Any) -> None:
+    svc, bus, clock = setup
+    await svc.route("prefill", request("r1", arrival=clock.t - 10.5))  # no worker, waited out
+    await heartbeat(svc, "d1", clock, role="decode")
+    await svc.route("decode", decode_job("r2"))
+    clock.t += 3.5
+    await svc.reap(clock.t)  # d1 silent: r2 fails
+    assert errors(bus) == [("r1", "no prefill worker available"), ("r2", "worker lost")]
+    assert cancels(bus) == [("r1", "no prefill worker available"), ("r2", "worker lost")]
+
+
+async def test_a_lost_worker_that_comes_back_is_told_again_what_ended_while_it_was_gone(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "d1", clock, role="decode")
+    await heartbeat(svc, "d2", clock, role="decode")
+    await svc.route("decode", decode_job("r1"))
+    lost = svc.assignments.get("r1", "decode").worker_id  # type: ignore[union-attr]
+    other = "d2" if lost == "d1" else "d1"
+    clock.t += 2.0
+    await heartbeat(svc, other, clock, role="decode")
+    clock.t += 2.0
+    await svc.reap(clock.t)
+    await heartbeat(svc, other, clock, role="decode")  # still in the pool: no rejoin, nothing sent again
+    assert cancels(bus) == [("r1", "worker lost")]
+    await heartbeat(svc, lost, clock, role="decode")  # restarted: its redelivered job for r1 must not run
+    assert cancels(bus) == [("r1", "worker lost")] * 2
+    clock.t += 4.0
+    await svc.reap(clock.t)
+    await heartbeat(svc, lost, clock, role="decode")  # a second return: already told
+    assert cancels(bus) == [("r1", "worker lost")] * 2
+
+
+async def test_a_rerouted_request_is_let_go_by_the_lost_worker_alone(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await svc.route("prefill", request("r1"))
+    clock.t += 2.0
+    await heartbeat(svc, "p2", clock)
+    clock.t += 2.0
+    await svc.reap(clock.t)  # p1 silent: r1 goes to p2
+    targeted = [m for s, m in bus.published if s == subjects.CANCEL]
+    assert targeted == [Cancel("r1", "re-routed", worker_id="p1")]
+    await svc._on_cancel(targeted[0], ENV)  # its own broadcast comes back: the request lives on at p2
+    assert svc.assignments.get("r1", "prefill").worker_id == "p2"  # type: ignore[union-attr]
+    await heartbeat(svc, "p1", clock)  # p1 restarted: its redelivered job for r1 must not run there
+    assert [m for s, m in bus.published if s == subjects.CANCEL] == targeted * 2
+    assert errors(bus) == []
+
+
 async def test_decode_waits_for_room_and_clears_the_prefill_assignment(setup: Any) -> None:
     svc, bus, clock = setup
     await heartbeat(svc, "p1", clock)

@@ -9,6 +9,7 @@ from services.gateway.routes.table import API_ROUTES, error_format
 from services.recipe.emit.processor import OutputProcessor
 from services.recipe.flight import Flight
 from services.recipe.prepared import Api, InferenceSpec, ParsingSpec, PreparedRequest
+from shared.schemas.generate import TokenEvent
 
 
 def test_openai_error_shape() -> None:
@@ -50,6 +51,14 @@ def _recipe_stream_failure(api: Api, status: int, message: str) -> bytes:
     flight = Flight("rid", prepared, OutputProcessor(prepared, response_id="x"), now=0.0)
     (frame,) = flight.fail(status, message).frames
     return frame
+
+
+def test_a_mesh_error_ends_the_flight_and_cancels_the_request_everywhere() -> None:
+    prepared = PreparedRequest("chat", "m", "v4", stream=True, include_usage=False, conversation=None,
+                               inference=InferenceSpec(None, None, None), parsing=ParsingSpec())
+    flight = Flight("rid", prepared, OutputProcessor(prepared, response_id="x"), now=0.0)
+    out = flight.on_event(TokenEvent("rid", 0, [], "error", error="worker lost", error_status=503), now=1.0)
+    assert out is not None and out.done and out.status == 503 and out.cancel == "error"
 
 
 def test_gateway_stream_errors_are_framed_as_the_recipe_frames_its_own() -> None:

@@ -1,0 +1,165 @@
+"""A worker's cancels, against the real decode handler on a tiny real engine (the bus and the KV store are
+recording fakes): a flood of cancels is one engine call, a cancel during the KV store ends the job cleanly and
+frees its blocks, and a job for a request that already ended is settled without running.
+
+The tester saw the opposite: 20 hang-ups reaching prefill one step apart, cancels during `store_kv` raising into
+redelivery, and redelivered jobs running for clients long gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.decode.service import DecodeService
+from shared import subjects
+from shared.bus import Envelope
+from shared.config import ServiceConfig
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import Engine
+from shared.engine.loader import LoadedModel
+from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, SamplingParams, TokenEvent
+from shared.worker import WorkerConfig
+from tests.unit.test_engine_tiny import checkpoint, loaded  # noqa: F401  (fixtures)
+
+ENV = Envelope("x", None)  # type: ignore[arg-type]
+
+
+@dataclass
+class FakeBus:
+    published: list[tuple[str, Any]] = field(default_factory=list)
+    max_payload: int = 1 << 20
+
+    async def publish(self, subject: str, message: Any, **kwargs: Any) -> None:
+        self.published.append((subject, message))
+
+
+class FakeKv:
+    """Holds nothing; its puts wait at a gate when one is set, so a test can cancel in the middle of a store."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[bytes]] = []
+        self.gate: asyncio.Event | None = None
+        self.entered = asyncio.Event()
+        self.fail_gets = 0  # the next gets that fail (the store unreachable)
+
+    async def get_run(self, hashes: list[bytes]) -> list[bytes]:
+        if self.fail_gets:
+            self.fail_gets -= 1
+            raise ConnectionError("store unreachable")
+        return []
+
+    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    async def put_many(self, items: list[tuple[bytes, bytes]], ttl_s: float | None = None) -> None:
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        self.puts.append([key for key, _ in items])
+
+
+def worker(checkpoint: Path, loaded: LoadedModel) -> DecodeService:  # noqa: F811
+    config = ServiceConfig("nats://127.0.0.1:4222", "decode-test", Path("."), str(checkpoint))
+    svc = DecodeService(config, WorkerConfig("cpu", 256, 512, 32))
+    svc.bus = FakeBus()  # type: ignore[assignment]
+    svc.kv = FakeKv()  # type: ignore[assignment]
+    svc.engine = AsyncEngine(Engine(loaded, device="cpu", dtype=torch.float32, kv_blocks=256, max_running=32))
+    svc.engine.start()
+    return svc
+
+
+def job(rid: str, max_tokens: int, prompt: int = 40) -> DecodeJob:
+    request = GenerateRequest(rid, "m", [1 + i % 300 for i in range(prompt)], SamplingParams(max_tokens=max_tokens))
+    return DecodeJob(request, first_token=7, block_hashes=[], snapshot_key=b"", cached_tokens=0, prefill_worker="p")
+
+
+def tokens_of(svc: DecodeService, rid: str) -> int:
+    bus: FakeBus = svc.bus  # type: ignore[assignment]
+    return sum(len(m.token_ids) for s, m in bus.published if s == subjects.tokens(rid) and isinstance(m, TokenEvent))
+
+
+async def free_blocks(svc: DecodeService) -> tuple[int, int]:
+    assert svc.engine is not None
+    await svc.engine.call(lambda: None)  # a fresh stats snapshot
+    return svc.engine.stats.free_blocks, svc.engine.stats.total_blocks
+
+
+async def test_a_flood_of_cancels_is_one_engine_call_and_frees_every_block(checkpoint: Path,  # noqa: F811
+                                                                         loaded: LoadedModel) -> None:  # noqa: F811
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    batches: list[list[str]] = []
+    abort_many = svc.engine.abort_many
+
+    async def recording(ids: list[str]) -> None:
+        batches.append(sorted(ids))
+        await abort_many(ids)
+
+    svc.engine.abort_many = recording  # type: ignore[method-assign]
+    rids = [f"r{i:02d}" for i in range(30)]
+    tasks = [asyncio.create_task(svc._on_job(job(rid, max_tokens=200), ENV)) for rid in rids]
+    while not all(tokens_of(svc, rid) > 0 for rid in rids):  # every one is generating
+        await asyncio.sleep(0.01)
+    for rid in rids:
+        await svc._on_cancel(Cancel(rid, "client disconnected"), ENV)
+    await asyncio.gather(*tasks)  # none raised: a cancelled job is settled, not failed into redelivery
+    assert batches == [rids]  # all thirty aborted together, between two steps
+    assert all(tokens_of(svc, rid) < 199 for rid in rids)
+    assert svc.jobs == {"run": 30, "cancelled": 30}
+    free, total = await free_blocks(svc)
+    assert free == total and svc.active == set()
+    await svc.engine.stop()
+
+
+async def test_a_cancel_during_the_kv_store_ends_the_job_cleanly(checkpoint: Path,  # noqa: F811
+                                                                 loaded: LoadedModel) -> None:  # noqa: F811
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    kv: FakeKv = svc.kv  # type: ignore[assignment]
+    kv.gate = asyncio.Event()
+    task = asyncio.create_task(svc._on_job(job("r1", max_tokens=4), ENV))
+    await kv.entered.wait()  # the output is done; its full blocks are on their way to the store
+    await svc._on_cancel(Cancel("r1", "client disconnected"), ENV)
+    assert svc._aborter is not None
+    await svc._aborter  # the engine let go of the held request under the store
+    kv.gate.set()
+    await task  # no exception: the message is acked, not redelivered
+    assert len(kv.puts) == 1  # the full blocks (valid KV), and no snapshot of a request that is gone
+    assert svc.jobs == {"run": 1, "cancelled": 1}
+    free, total = await free_blocks(svc)
+    assert free == total
+    await svc.engine.stop()
+
+
+async def test_a_job_for_a_request_that_ended_is_dropped_unrun(checkpoint: Path,  # noqa: F811
+                                                               loaded: LoadedModel) -> None:  # noqa: F811
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    await svc._on_cancel(Cancel("early", "client disconnected"), ENV)  # overtook its job
+    await svc._on_cancel(Cancel("done", "re-routed", worker_id="decode-other"), ENV)  # another worker's to drop
+    await svc._on_job(job("early", max_tokens=4), ENV)
+    await svc._on_job(job("done", max_tokens=4), ENV)
+    await svc._on_job(job("done", max_tokens=4), ENV)  # redelivered after it finished
+    assert tokens_of(svc, "early") == 0 and tokens_of(svc, "done") == 4 - 1  # prefill sent the first
+    assert svc.jobs == {"run": 1, "dropped": 2}
+    await svc.engine.stop()
+
+
+async def test_a_job_that_failed_is_not_an_end_its_redelivery_runs(checkpoint: Path,  # noqa: F811
+                                                                   loaded: LoadedModel) -> None:  # noqa: F811
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    kv: FakeKv = svc.kv  # type: ignore[assignment]
+    kv.fail_gets = 1
+    with pytest.raises(ConnectionError):  # the bus naks it: redelivered
+        await svc._on_job(job("r1", max_tokens=4), ENV)
+    await svc._on_job(job("r1", max_tokens=4), ENV)
+    assert tokens_of(svc, "r1") == 4 - 1
+    assert svc.jobs == {"run": 2}
+    await svc.engine.stop()
