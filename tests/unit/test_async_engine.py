@@ -31,14 +31,19 @@ async def test_stats_are_a_snapshot_read_while_the_engine_steps(loaded: LoadedMo
     async def consume(i: int) -> int:
         return sum(len(out.token_ids) for out in [o async for o in engine.generate(_request(i))])
 
-    jobs = [asyncio.create_task(consume(i)) for i in range(300)]  # far more than max_running: most wait
+    jobs = [asyncio.create_task(consume(i)) for i in range(64)]  # far more than max_running: most wait
     seen_waiting = 0
-    while not all(job.done() for job in jobs):
-        snapshot = engine.stats  # from the loop, mid-step: a whole frozen snapshot, never the live deques
-        seen_waiting = max(seen_waiting, snapshot.waiting)
-        assert snapshot.running <= 4 and 0 <= snapshot.free_blocks <= snapshot.total_blocks
-        await asyncio.sleep(0)
-    assert [await job for job in jobs] == [3] * 300
+
+    async def watch() -> None:
+        nonlocal seen_waiting
+        while not all(job.done() for job in jobs):
+            snapshot = engine.stats  # from the loop, mid-step: a whole frozen snapshot, never the live deques
+            seen_waiting = max(seen_waiting, snapshot.waiting)
+            assert snapshot.running <= 4 and 0 <= snapshot.free_blocks <= snapshot.total_blocks
+            await asyncio.sleep(0.002)  # (a sleep(0) spin would starve the engine thread of the GIL)
+
+    await asyncio.wait_for(asyncio.gather(watch(), *jobs), timeout=120)  # fails, never hangs
+    assert [job.result() for job in jobs] == [3] * 64
     assert seen_waiting > 0  # the snapshots followed the queue while it was long
     await engine.call(lambda: None)  # any call ends with a fresh snapshot
     assert engine.stats.running == engine.stats.waiting == 0
