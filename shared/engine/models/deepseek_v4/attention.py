@@ -1,0 +1,173 @@
+"""DeepSeek-V4 attention over the two-tier cache (cache.py), for the T rows of a step.
+
+One shared K = V head of head_dim, num_heads query heads, a learned sink per head:
+    q  = rope(rms(wq_b(rms(wq_a x))))                  per head, unweighted norm, RoPE on the trailing channels
+    kv = rope(rms(wkv x))                              this token's key = value, written to the sliding ring
+    keys seen by the query at p: kv of (p - window, p]  +  compressed entries of closed windows (HCA: all;
+    CSA: the indexer's top-k), output un-rotated at p, then the grouped low-rank projection wo_a (per group) -> wo_b.
+
+Compressor (ratio m): window w = tokens [w m, (w + 1) m) closes at its last token and becomes one entry:
+    HCA: sum over the window of softmax(gate + ape) * kv, per channel; CSA: the same over 2m slots, the previous
+    window's first half-channels (Ca) and this window's second half (Cb); then RMSNorm and RoPE at position w m.
+
+The projections run over all T rows at once; the sliding ring, compressors and attention run per sequence here
+(the torch path, the reference for fused kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.attention import AttentionMetadata, SeqSpan
+from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
+from shared.engine.models.deepseek_v4.mhc import rms
+from shared.engine.models.deepseek_v4.rope import Rotary, rotate
+from shared.engine.models.deepseek_v4.spec import SLIDING, DeepseekV4Spec
+from shared.engine.models.deepseek_v4.weights import Compressor, Layer
+
+Angles = dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" -> (cos, sin) of the step's rows
+
+
+class Attention:
+    def __init__(self, spec: DeepseekV4Spec, device: torch.device) -> None:
+        self.spec = spec
+        rd = spec.rope_head_dim
+        self.rope_main = Rotary(rd, spec.rope_theta, None, device)
+        self.rope_compress = Rotary(rd, spec.compress_rope_theta, spec.compress_rope_scaling, device)
+        self.scale = spec.head_dim**-0.5
+
+    def angles(self, positions: torch.Tensor) -> Angles:
+        return {"main": self.rope_main.angles(positions), "compress": self.rope_compress.angles(positions)}
+
+    def __call__(self, i: int, layer: Layer, x: torch.Tensor, positions: torch.Tensor, angles: Angles,
+                 meta: AttentionMetadata, states: list[RequestState], kv: V4Cache) -> torch.Tensor:
+        s = self.spec
+        T = x.shape[0]
+        H, d = s.num_heads, s.head_dim
+        cos, sin = angles["main" if layer.kind == SLIDING else "compress"]
+        q_res = rms(F.linear(x, layer.wq_a), layer.q_norm, s.rms_eps)  # (T, q_lora_rank)
+        q = rotate(rms(F.linear(q_res, layer.wq_b).view(T, H, d), None, s.rms_eps), cos, sin)
+        k = rotate(rms(F.linear(x, layer.wkv), layer.kv_norm, s.rms_eps), cos, sin)  # (T, d) = V
+        comp = idx = None
+        if layer.compressor is not None:
+            c = layer.compressor
+            comp = (F.linear(x, c.wkv), F.linear(x, c.wgate))
+        if layer.indexer is not None:
+            ix = layer.indexer
+            ic = ix.compressor
+            cq, sq = angles["compress"]
+            iq = rotate(F.linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
+            idx = (F.linear(x, ic.wkv), F.linear(x, ic.wgate), iq, F.linear(x, ix.weights_proj))
+        out = torch.empty_like(q)
+        for span, state in zip(meta.spans, states):
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            out[rows] = self.attend_one(i, layer, span, state, kv, positions[rows], q[rows], k[rows],
+                                        None if comp is None else (comp[0][rows], comp[1][rows]),
+                                        None if idx is None else tuple(t[rows] for t in idx))
+        out = rotate(out, cos, -sin)  # undo the rotation V carried, at the query's position
+        return self.output(layer, out)
+
+    def output(self, layer: Layer, out: torch.Tensor) -> torch.Tensor:
+        """(T, H, d) attention output -> (T, D): per group of heads wo_a, then wo_b over the groups."""
+        T, H, d = out.shape
+        G = self.spec.o_groups
+        grouped = torch.bmm(out.reshape(T, G, -1).transpose(0, 1), layer.wo_a.view(G, -1, d * H // G)
+                            .transpose(1, 2))  # (G, T, o_lora_rank)
+        return F.linear(grouped.transpose(0, 1).reshape(T, -1), layer.wo_b)
+
+    def attend_one(self, i: int, layer: Layer, span: SeqSpan, state: RequestState, kv: V4Cache,
+                   pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   comp: tuple[torch.Tensor, torch.Tensor] | None, idx: tuple[torch.Tensor, ...] | None
+                   ) -> torch.Tensor:
+        """One sequence's chunk of n queries at positions start..start+n-1: (n, H, d)."""
+        s = self.spec
+        n, start, W = q.shape[0], span.context_len - span.q_len, s.window
+        # sliding window: ring positions [max(begin, start - W + 1), start) then this chunk's keys
+        first = max(state.begin, start - W + 1)
+        ring = state.swa[i]
+        old = torch.arange(first, start, device=q.device)
+        keys = torch.cat([ring[old % ring.shape[0]], k])  # (m_k, d)
+        kpos = torch.cat([old, pos])
+        mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - W)  # (n, m_k)
+        new_pos = pos[-ring.shape[0] :]
+        ring[new_pos % ring.shape[0]] = k[-ring.shape[0] :].to(ring.dtype)
+        if comp is not None:
+            c = layer.compressor
+            assert c is not None
+            entries = self.compress(c, state.comp[i], comp, start, state, kv.entries[i], span, kv, s.head_dim)
+            visible = (pos + 1) // c.ratio  # (n,) entries each query may see
+            allowed = torch.arange(entries.shape[0], device=q.device)[None, :] < visible[:, None]
+            if idx is not None:
+                allowed &= self.select(layer, i, state, idx, start, span, kv, visible)
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            mask = torch.cat([mask, allowed], dim=1)
+        logits = torch.einsum("nhd,kd->hnk", q.float(), keys.float()) * self.scale
+        logits = logits.masked_fill(~mask, float("-inf"))
+        sink = layer.sinks.view(-1, 1, 1).expand(-1, n, 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("hnk,kd->nhd", probs, keys.float()).to(q.dtype)
+
+    def select(self, layer: Layer, i: int, state: RequestState, idx: tuple[torch.Tensor, ...], start: int,
+               span: SeqSpan, kv: V4Cache, visible: torch.Tensor) -> torch.Tensor:
+        """CSA's lightning indexer: which visible entries each query attends to (its top index_topk)."""
+        s = self.spec
+        ix = layer.indexer
+        assert ix is not None
+        kv_i, gate_i, iq, weights = idx
+        keys = self.compress(ix.compressor, state.index[i], (kv_i, gate_i), start, state, kv.index_keys[i], span,
+                             kv, s.index_head_dim)  # (E, index_head_dim)
+        E = keys.shape[0]
+        scores = torch.relu(torch.einsum("nhc,ec->nhe", iq.float(), keys.float())) * s.index_head_dim**-0.5
+        scores = (scores * (weights.float() * s.index_heads**-0.5).unsqueeze(-1)).sum(1)  # (n, E)
+        entry = torch.arange(E, device=scores.device)[None, :]
+        scores = scores.masked_fill(entry >= visible[:, None], float("-inf"))
+        top = scores.topk(min(s.index_topk, E), dim=-1).indices if E else scores.new_zeros(len(visible), 0).long()
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+        return chosen & (entry < visible[:, None])
+
+    def compress(self, c: Compressor, ring: tuple[torch.Tensor, torch.Tensor] | None,
+                 new: tuple[torch.Tensor, torch.Tensor], start: int, state: RequestState,
+                 store: torch.Tensor | None, span: SeqSpan, kv: V4Cache, d: int) -> torch.Tensor:
+        """Feed a chunk's compressor projections through: store them in the ring, build and write the entries of
+        the windows the chunk closes (not those restored from the long-term tier), and return every entry
+        the chunk's last query may see, (E, d) read back from the paged blocks."""
+        assert ring is not None and store is not None
+        m, n = c.ratio, new[0].shape[0]
+        end = start + n
+        kv_ring, gate_ring = ring
+        cap = kv_ring.shape[0]
+        lo_win = max(start // m, state.frozen // m)  # first window to build
+        hi_win = end // m  # windows [lo_win, hi_win) close in this chunk
+        device = kv_ring.device
+        if hi_win > lo_win:
+            back = 1 if c.overlap else 0
+            p = torch.arange((lo_win - back) * m, hi_win * m, device=device)  # raw tokens those windows read
+            in_chunk = p >= start
+            valid = (p >= state.begin) & (p >= 0)
+            from_ring = (p % cap).clamp(min=0)
+            from_new = (p - start).clamp(min=0, max=n - 1)
+            raw_kv = torch.where(in_chunk[:, None], new[0][from_new], kv_ring[from_ring].to(new[0].dtype))
+            raw_gate = torch.where(in_chunk[:, None], new[1][from_new], gate_ring[from_ring].to(new[1].dtype))
+            gate = raw_gate.float() + c.ape.repeat(p.shape[0] // m, 1)
+            gate = gate.masked_fill(~valid[:, None], float("-inf"))
+            raw_kv = raw_kv.masked_fill(~valid[:, None], 0)
+            wins = hi_win - lo_win + back
+            kvw, gw = raw_kv.view(wins, m, -1), gate.view(wins, m, -1)
+            if c.overlap:  # entry w: Ca of window w - 1 (first d channels), Cb of window w (last d)
+                kvw = torch.cat([kvw[:-1, :, :d], kvw[1:, :, d:]], dim=1)
+                gw = torch.cat([gw[:-1, :, :d], gw[1:, :, d:]], dim=1)
+            weights = torch.softmax(gw, dim=1).to(kvw.dtype)
+            entry = rms((kvw * weights).sum(1), c.norm, self.spec.rms_eps)  # (windows, d)
+            wpos = torch.arange(lo_win, hi_win, device=device) * m
+            entry = rotate(entry, *self.rope_compress.angles(wpos))
+            table = span.block_table
+            bt = kv.block_tokens
+            blocks = table[(wpos // bt).long()]
+            store[blocks, (wpos % bt) // m] = entry.to(store.dtype)
+        keep = torch.arange(max(start, end - cap), end, device=device)
+        kv_ring[keep % cap] = new[0][keep - start].to(kv_ring.dtype)
+        gate_ring[keep % cap] = new[1][keep - start].to(gate_ring.dtype)
+        E = end // m
+        e = torch.arange(E, device=device) * m
+        return store[span.block_table[(e // kv.block_tokens).long()], (e % kv.block_tokens) // m]

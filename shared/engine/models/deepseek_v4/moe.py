@@ -1,0 +1,77 @@
+"""DeepSeek-V4's mixture of experts: routing (sqrt-softplus / sigmoid / softmax scores, top-k with a selection
+bias, or hash routing by token id on the first layers), the routed experts (clamped SwiGLU) and the shared one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
+from shared.engine.models.deepseek_v4.weights import Experts, Layer
+
+GATHER_MAX_PAIRS = 32  # (row, expert) pairs up to which the experts' weights are gathered (decode, batch <= 5)
+
+
+def route(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> chosen experts (T, k) int64 and their combine weights (T, k) float32."""
+    logits = F.linear(x, layer.gate).float()  # (T, E)
+    if s.scoring == "sqrtsoftplus":
+        scores = F.softplus(logits).sqrt()
+    elif s.scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = logits.softmax(dim=-1)
+    if layer.tid2eid is not None:
+        chosen = layer.tid2eid[input_ids]  # (T, k): hash routing by token id
+    else:
+        assert layer.gate_bias is not None
+        chosen = torch.topk(scores + layer.gate_bias, s.experts_per_token, dim=-1, sorted=False).indices
+    weights = scores.gather(1, chosen)
+    return chosen, weights / (weights.sum(-1, keepdim=True) + 1e-20) * s.routed_scale
+
+
+def moe(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    chosen, weights = route(s, layer, x, input_ids)
+    out = experts(layer.experts, x, chosen, weights, s.swiglu_limit)
+    if layer.shared is not None:
+        out = out + shared_expert(layer.shared, x, s.swiglu_limit)
+    return out
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def shared_expert(ex: Experts, x: torch.Tensor, limit: float) -> torch.Tensor:
+    """Every row through the one shared expert: a dense SwiGLU."""
+    return F.linear(swiglu(F.linear(x, ex.w13[0]), limit), ex.w2[0])
+
+
+def experts(ex: Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, limit: float
+            ) -> torch.Tensor:
+    """Each row through its chosen experts (clamped SwiGLU), weighted and summed: grouped by expert, or for
+    a few (row, expert) pairs (decode at small batch) as two batched products over the gathered weights,
+    with no host round trip to learn which experts were hit."""
+    T, k = chosen.shape
+    if T * k <= GATHER_MAX_PAIRS:
+        flat = chosen.flatten()
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # (T k, D, 1)
+        h = swiglu(torch.bmm(ex.w13[flat], xs).squeeze(-1), limit)  # (T k, I)
+        y = torch.bmm(ex.w2[flat], h.unsqueeze(-1)).squeeze(-1) * weights.flatten()[:, None].to(x.dtype)
+        return y.view(T, k, -1).sum(1).to(x.dtype)
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=ex.w13.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    at = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[at : at + count]
+        at += count
+        rows = picks // k
+        y = F.linear(swiglu(F.linear(x[rows], ex.w13[e]), limit), ex.w2[e]) * weights.flatten()[picks, None].to(x.dtype)
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
