@@ -35,7 +35,7 @@ from bench.timing import ceilings, cuda_time  # noqa: E402
 from shared.engine.attention import AttentionMetadata, SeqSpan  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.models.deepseek_v4.model import DeepseekV4  # noqa: E402
-from shared.engine.models.deepseek_v4.moe import moe  # noqa: E402
+from shared.engine.models.deepseek_v4.moe import moe as moe_block  # noqa: E402
 from shared.engine.ops import select_ops  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, SLIDING, DeepseekV4Spec  # noqa: E402
 
@@ -200,7 +200,7 @@ def run_kind(kind: str, dims: dict, ratios: dict, args, device: torch.device, dt
     def timed_moe(n: int) -> float:
         x = torch.randn(n, spec.hidden_size, device=device, dtype=dtype)
         ids = torch.zeros(n, dtype=torch.long, device=device)
-        return cuda_time(lambda: moe(model.spec, layer, x, ids), args.reps, warm=2)
+        return cuda_time(lambda: moe_block(model.spec, layer, x, ids), args.reps, warm=2)
 
     # prefill: a fresh prompt per repetition (new request id, fresh state), on blocks reused across repetitions
     n = args.prefill
