@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from services.recipe.convert import schema, serde, strict
-from services.recipe.convert.serde import BodyError, Enum, Field, Opt, Seq, Str, Struct, Tagged, UInt
+from services.recipe.convert.serde import Enum, Field, Opt, Seq, Str, Struct, Tagged, UInt
+from services.recipe.errors import BodyError, SchemaError, StrictError
 
 
 def message(reader: Any, value: Any) -> str:
@@ -69,7 +70,7 @@ def test_tagged_enums() -> None:
     ({"properties": 5, "type": 5}, '5 is not of type "object"'),  # applicators are checked before "type"
 ])
 def test_schema_check(value: Any, error: str) -> None:
-    with pytest.raises(schema.SchemaError, match="^" + re.escape(error) + "$"):
+    with pytest.raises(SchemaError, match="^" + re.escape(error) + "$"):
         schema.check(value)
 
 
@@ -112,12 +113,12 @@ def test_strict_normalization_keeps_supported_keywords_and_closes_objects() -> N
      "field `anyOf`: missing field `type`", True),
 ])
 def test_strict_errors(value: Any, error: str, shape: bool) -> None:
-    with pytest.raises(strict.StrictError) as info:
+    with pytest.raises(StrictError) as info:
         strict.normalize(value, empty_top=True)
     assert (info.value.message, info.value.shape) == (error, shape)
 
 
 def test_a_response_format_needs_properties_even_at_the_top() -> None:
     assert strict.normalize({"type": "object", "properties": {}}, empty_top=True)[1]
-    with pytest.raises(strict.StrictError, match="no properties"):
+    with pytest.raises(StrictError, match="no properties"):
         strict.normalize({"type": "object", "properties": {}}, empty_top=False)

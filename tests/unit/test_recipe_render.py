@@ -12,7 +12,8 @@ import pytest
 from services.recipe import cli_render
 from services.recipe import conversation as cv
 from services.recipe.chat_template import ChatTemplate
-from services.recipe.convert import ConversionError, ConvertOptions, convert
+from services.recipe.convert import ConvertOptions, convert
+from services.recipe.errors import ConversionError
 from services.recipe.formats import chat_template, render
 from services.recipe.formats.deepseek import V4, V41
 from services.recipe.formats.deepseek_tokenizer import deepseek_v4_encoder

@@ -14,22 +14,9 @@ from typing import Any
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ResponseFormat
 from services.recipe.convert import common
-from services.recipe.convert.options import ConversionError, ConvertOptions, Encoding
-from services.recipe.convert.serde import (
-    F32,
-    Any_,
-    BodyError,
-    Bool,
-    Custom,
-    Enum,
-    Field,
-    Opt,
-    Seq,
-    Str,
-    Struct,
-    Tagged,
-    UInt,
-)
+from services.recipe.convert.options import ConvertOptions, Encoding
+from services.recipe.convert.serde import F32, Any_, Bool, Custom, Enum, Field, Opt, Seq, Str, Struct, Tagged, UInt
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.prepared import PreparedRequest, ToolSpec
 
 MAX_STOPS = 16

@@ -13,20 +13,9 @@ from typing import Any
 
 from services.recipe.conversation import Conversation
 from services.recipe.convert import common
-from services.recipe.convert.options import ConversionError, ConvertOptions
-from services.recipe.convert.serde import (
-    F32,
-    Any_,
-    BodyError,
-    Bool,
-    Custom,
-    Field,
-    Opt,
-    Str,
-    Struct,
-    UInt,
-    is_int,
-)
+from services.recipe.convert.options import ConvertOptions
+from services.recipe.convert.serde import F32, Any_, Bool, Custom, Field, Opt, Str, Struct, UInt, is_int
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.prepared import InferenceSpec, ParsingSpec, PreparedRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions

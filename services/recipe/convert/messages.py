@@ -16,11 +16,10 @@ from typing import Any
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message
 from services.recipe.convert import common
-from services.recipe.convert.options import ConversionError, ConvertOptions
+from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.serde import (
     F32,
     Any_,
-    BodyError,
     Bool,
     Custom,
     Enum,
@@ -33,6 +32,7 @@ from services.recipe.convert.serde import (
     UInt,
     invalid_type,
 )
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.formats.jsontext import dumps
 from services.recipe.prepared import PreparedRequest, ToolSpec
 

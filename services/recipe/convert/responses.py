@@ -17,12 +17,11 @@ from typing import Any
 from services.recipe import conversation as cv
 from services.recipe.conversation import ResponseFormat
 from services.recipe.convert import apply_patch, common
-from services.recipe.convert.options import ConversionError, ConvertOptions
+from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.responses_input import input_messages, namespaced, read_input
 from services.recipe.convert.serde import (
     F32,
     Any_,
-    BodyError,
     Bool,
     Custom,
     Enum,
@@ -36,6 +35,7 @@ from services.recipe.convert.serde import (
     f32_display,
     invalid_type,
 )
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.prepared import PreparedRequest, ToolSpec
 
 _FUNCTION_FIELDS = [

@@ -18,20 +18,9 @@ from typing import Any
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ToolCall
 from services.recipe.convert.common import developer_role
-from services.recipe.convert.options import ConversionError, ConvertOptions
-from services.recipe.convert.serde import (
-    Any_,
-    BodyError,
-    Custom,
-    Enum,
-    Field,
-    Opt,
-    Seq,
-    Str,
-    Struct,
-    Tagged,
-    invalid_type,
-)
+from services.recipe.convert.options import ConvertOptions
+from services.recipe.convert.serde import Any_, Custom, Enum, Field, Opt, Seq, Str, Struct, Tagged, invalid_type
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.formats.jsontext import dumps
 
 _TEXT_PARTS = {"input_text", "output_text"}

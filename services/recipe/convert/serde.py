@@ -20,15 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.recipe.errors import BodyError
 from services.recipe.formats.jsontext import shortest_float
-
-
-class BodyError(ValueError):
-    """The body does not have the API's shape; `message` is serde's (without the "invalid request body: ")."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 def unexpected(value: Any) -> str:
