@@ -77,11 +77,12 @@ def run_sync(sched: Scheduler, model: FakeModel, max_steps: int = 200) -> dict[s
     raise AssertionError("the scheduler did not finish")
 
 
-def run_overlapped(sched: Scheduler, model: FakeModel, max_steps: int = 200) -> dict[str, list[int]]:
+def run_overlapped(sched: Scheduler, model: FakeModel, inflight: tuple[StepPlan, list[int]] | None = None,
+                   max_steps: int = 200) -> dict[str, list[int]]:
     """The engine's overlapped loop: launch (schedule, sample, commit) the next step before resolving the
-    previous one."""
+    previous one (`inflight`: a step already launched)."""
     out: dict[str, list[int]] = {}
-    inflight = _launch(sched, model)
+    inflight = inflight or _launch(sched, model)
     for _ in range(max_steps):
         if inflight is None:
             return out
@@ -290,6 +291,39 @@ def test_preemption_when_blocks_run_out_then_resume_with_the_same_tokens() -> No
     out = run_sync(sched, model)
     assert out == {"a": [102, 103, 104, 105, 106, 107], "b": [101, 102, 103], "late": [100]}
     assert_all_free(sched)
+
+
+def test_preempted_while_its_token_is_in_flight_then_resolved_and_resumed() -> None:
+    sched = make_scheduler(num_blocks=4)
+    a, b = make_request("a", 8, max_new=5), make_request("b", 7, max_new=3)
+    sched.add(a)
+    sched.add(b)
+    model = FakeModel({"b": [31, 32, 33]})
+    p1 = _launch(sched, model)
+    assert p1 is not None and b.token_ids[7:] == [-2]
+    p2 = _launch(sched, model)  # a's position 8 needs a block: b goes, its first token still unknown
+    assert p2 is not None and shape(p2[0]) == [("a", 8, 1, True)]
+    assert b.status is Status.WAITING and b.block_table == [] and b.num_computed == 0
+    outs = sched.resolve(*p1)
+    assert [(o.request_id, o.token_ids) for o in outs] == [("a", [100]), ("b", [31])]
+    assert b.token_ids[7:] == [31] and sched.waiting[0] is b  # the placeholder filled, to be recomputed
+    rest = run_overlapped(sched, model, p2)
+    assert rest == {"a": [101, 102, 103, 104], "b": [32, 33]}
+    assert_all_free(sched)
+
+
+def test_overlapped_runs_under_block_pressure_match_a_roomy_synchronous_run() -> None:
+    script = {"r1": [1, 2, STOP], "r3": [5, STOP]}
+    roomy, tight = make_scheduler(num_blocks=64), make_scheduler(num_blocks=6, max_batch_tokens=8)
+    for sched in (roomy, tight):
+        for s in make_requests([7, 9, 4, 6, 11], max_new=6):
+            sched.add(s)
+    preempted: list[str] = []
+    preempt = tight._preempt
+    tight._preempt = lambda s: (preempted.append(s.request_id), preempt(s))[1]  # type: ignore[method-assign]
+    assert run_overlapped(tight, FakeModel(script)) == run_sync(roomy, FakeModel(script))
+    assert preempted  # the tight run did have to preempt
+    assert_all_free(tight)
 
 
 def test_a_decode_with_no_victim_preempts_itself() -> None:
