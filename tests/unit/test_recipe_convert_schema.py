@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Any
 
 import pytest
 
 from services.recipe.convert import schema, serde, strict
-from services.recipe.convert.serde import Enum, Field, Opt, Seq, Str, Struct, Tagged, UInt
+from services.recipe.convert.serde import Enum, Field, Opt, Record, Seq, Str, Struct, Tagged, UInt, json_field
 from services.recipe.errors import BodyError, SchemaError, StrictError
 
 
@@ -47,6 +48,24 @@ def test_structs_report_the_first_bad_value_then_the_first_missing_field() -> No
     assert s.read({"a": "x", "b": 1, "unknown": [1]}) == {"a": "x", "b": 1, "c": None}
     assert message(s, []) == "invalid length 0, expected struct S with 3 elements"  # serde's sequence form
     assert message(s, 7) == "invalid type: integer `7`, expected struct S"
+
+
+@dataclass(frozen=True)
+class S:
+    a: str = json_field(Str, required=True)
+    b: int | None = json_field(Opt(UInt(8)), default=3)
+
+
+def test_records_read_into_frozen_dataclasses_with_the_struct_s_words() -> None:
+    r = Record(S)
+    assert r.read({"b": 1, "a": "x", "unknown": 0}) == S("x", 1) and r.read(["y", 2]) == S("y", 2)
+    assert r.read({"a": "x"}).b == 3
+    with pytest.raises(FrozenInstanceError):
+        r.read({"a": "x"}).a = "y"  # type: ignore[misc]
+    assert message(r, {"b": 1}) == "missing field `a`"
+    assert message(r, {"a": 1}) == "invalid type: integer `1`, expected a string"
+    assert message(r, 7) == "invalid type: integer `7`, expected struct S"
+    assert message(r, ["y"]) == "invalid length 1, expected struct S with 2 elements"
 
 
 def test_tagged_enums() -> None:
