@@ -16,9 +16,7 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
-class TemplateError(ValueError):
-    """The template refused the conversation (raise_exception) or could not render it: a 400 for the client."""
+from services.recipe.errors import TemplateError
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -26,15 +26,10 @@ from typing import IO, Any
 
 import orjson
 
+from services.recipe.errors import BadInput
 from services.recipe.prepared import RESPONSE_ID_PREFIXES
 
 FINISH_REASONS = ("stop", "length", "content_filter")
-
-
-class BadInput(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.status = message, status
 
 
 def _args(argv: Sequence[str]) -> argparse.Namespace:
@@ -45,7 +40,7 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _error_body(api: str, status: int, message: str) -> bytes:
-    from services.recipe.apis.errors import error_for
+    from services.recipe.errors import error_for
 
     return error_for(api, status, message).body
 
@@ -99,7 +94,8 @@ class _Model:
 
 
 def _prepare(api: str, request: dict[str, Any], model: _Model) -> Any:
-    from services.recipe.convert import ConversionError, ConvertOptions, convert
+    from services.recipe.convert import ConvertOptions, convert
+    from services.recipe.errors import ConversionError
 
     name = request.get("model")
     options = ConvertOptions(models={name: model.format}) if isinstance(name, str) else ConvertOptions()

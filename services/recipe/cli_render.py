@@ -21,8 +21,9 @@ from typing import Any
 
 import orjson
 
-from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
+from services.recipe.convert import APIS, ConvertOptions, convert
 from services.recipe.convert.options import DEEPSEEK_MODELS
+from services.recipe.errors import ConversionError, api_error
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.recipe.apis.errors import error_for
 from services.recipe.emit.processor import End, OutputProcessor, Ready, Tokens
+from services.recipe.errors import error_for
 from services.recipe.prepared import PreparedRequest
 from shared.api_errors import sse_error_frame
 from shared.schemas.generate import TokenEvent

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 
 from services.recipe import tokenize
-from services.recipe.apis.errors import openai_error
-from services.recipe.convert import ConversionError, ConvertOptions
+from services.recipe.convert import ConvertOptions
+from services.recipe.errors import ConversionError, openai_error
 from services.recipe.model import ServedModel
 from services.recipe.responses_store import ResponseStore
 from shared import subjects

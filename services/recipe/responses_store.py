@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from services.recipe.apis.errors import ApiError, openai_error
+from services.recipe.errors import ApiError, openai_error
 from services.recipe.prepared import PreparedRequest
 from shared.bus import KeyValueBucket
 from shared.schemas.gateway import JsonReply, StoredResponseQuery

@@ -23,11 +23,11 @@ from collections.abc import Iterable, Sequence
 import orjson
 
 from services.recipe.admission import AdmissionLimits, Ledger, Refusal
-from services.recipe.apis.errors import ApiError, error_for, openai_error
-from services.recipe.convert import APIS, ConversionError, ConvertOptions, api_error, convert
+from services.recipe.convert import APIS, ConvertOptions, convert
 from services.recipe.convert.fields import check_min_tokens
 from services.recipe.convert.limits import check_prompt, check_token_ids, resolve_max_tokens
 from services.recipe.emit.processor import OutputProcessor
+from services.recipe.errors import ApiError, ConversionError, api_error, error_for, openai_error
 from services.recipe.flight import Flight, Output
 from services.recipe.formats import render
 from services.recipe.model import ServedModel

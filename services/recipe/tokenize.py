@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from services.recipe.convert import ConversionError, ConvertOptions, convert
+from services.recipe.convert import ConvertOptions, convert
+from services.recipe.errors import ConversionError
 from services.recipe.formats import chat_template, render
 from services.recipe.model import ServedModel
 

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 dr = pytest.importorskip("deepseek_recipe")
 
 from services.recipe.conversation import Conversation  # noqa: E402
-from services.recipe.convert import ConversionError, FieldRefusal, convert  # noqa: E402
+from services.recipe.convert import convert  # noqa: E402
+from services.recipe.errors import ConversionError, FieldRefusal  # noqa: E402
 from services.recipe.formats.deepseek import FORMATS  # noqa: E402
 from services.recipe.formats.deepseek_tokenizer import deepseek_v4_encoder, tokenizer_path  # noqa: E402
 

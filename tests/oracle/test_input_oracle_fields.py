@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from services.recipe.convert import ConversionError, FieldRefusal, convert
+from services.recipe.convert import convert
+from services.recipe.errors import ConversionError, FieldRefusal
 from tests.oracle.conftest import OPTIONS, compare_request, dr
 
 PRO, FLASH = "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"

@@ -9,8 +9,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.recipe.convert import ConversionError, convert
+from services.recipe.convert import convert
 from services.recipe.convert.limits import resolve_max_tokens
+from services.recipe.errors import ConversionError
 from services.recipe.formats import render
 from tests.oracle.conftest import OPTIONS, compare_request, dr
 

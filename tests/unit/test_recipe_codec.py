@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from services.recipe.chat_template import ChatTemplate, TemplateError
+from services.recipe.chat_template import ChatTemplate
+from services.recipe.errors import TemplateError
 from services.recipe.parse.detok import TokenPieces, TokenTable
 from shared.model_info import load_model_info
 from shared.models import resolve

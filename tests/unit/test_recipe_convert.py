@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from services.recipe.convert import ConversionError, ConvertOptions, api_error, convert
+from services.recipe.convert import ConvertOptions, convert
 from services.recipe.convert.limits import resolve_max_tokens
+from services.recipe.errors import ConversionError, api_error
 
 PRO, FLASH = "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"
 USER = {"role": "user", "content": "hi"}

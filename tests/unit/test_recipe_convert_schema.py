@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Any
 
 import pytest
 
 from services.recipe.convert import schema, serde, strict
-from services.recipe.convert.serde import BodyError, Enum, Field, Opt, Seq, Str, Struct, Tagged, UInt
+from services.recipe.convert.serde import Enum, Field, Opt, Record, Seq, Str, Struct, Tagged, UInt, json_field
+from services.recipe.errors import BodyError, SchemaError, StrictError
 
 
 def message(reader: Any, value: Any) -> str:
@@ -48,6 +50,24 @@ def test_structs_report_the_first_bad_value_then_the_first_missing_field() -> No
     assert message(s, 7) == "invalid type: integer `7`, expected struct S"
 
 
+@dataclass(frozen=True)
+class S:
+    a: str = json_field(Str, required=True)
+    b: int | None = json_field(Opt(UInt(8)), default=3)
+
+
+def test_records_read_into_frozen_dataclasses_with_the_struct_s_words() -> None:
+    r = Record(S)
+    assert r.read({"b": 1, "a": "x", "unknown": 0}) == S("x", 1) and r.read(["y", 2]) == S("y", 2)
+    assert r.read({"a": "x"}).b == 3
+    with pytest.raises(FrozenInstanceError):
+        r.read({"a": "x"}).a = "y"  # type: ignore[misc]
+    assert message(r, {"b": 1}) == "missing field `a`"
+    assert message(r, {"a": 1}) == "invalid type: integer `1`, expected a string"
+    assert message(r, 7) == "invalid type: integer `7`, expected struct S"
+    assert message(r, ["y"]) == "invalid length 1, expected struct S with 2 elements"
+
+
 def test_tagged_enums() -> None:
     t = Tagged("T", "type", {"x": Struct("X", [Field("v", Seq(Str), required=True)]), "y": None})
     assert t.read({"type": "x", "v": ["a"]}) == ("x", {"v": ["a"]})
@@ -69,7 +89,7 @@ def test_tagged_enums() -> None:
     ({"properties": 5, "type": 5}, '5 is not of type "object"'),  # applicators are checked before "type"
 ])
 def test_schema_check(value: Any, error: str) -> None:
-    with pytest.raises(schema.SchemaError, match="^" + re.escape(error) + "$"):
+    with pytest.raises(SchemaError, match="^" + re.escape(error) + "$"):
         schema.check(value)
 
 
@@ -112,12 +132,12 @@ def test_strict_normalization_keeps_supported_keywords_and_closes_objects() -> N
      "field `anyOf`: missing field `type`", True),
 ])
 def test_strict_errors(value: Any, error: str, shape: bool) -> None:
-    with pytest.raises(strict.StrictError) as info:
+    with pytest.raises(StrictError) as info:
         strict.normalize(value, empty_top=True)
     assert (info.value.message, info.value.shape) == (error, shape)
 
 
 def test_a_response_format_needs_properties_even_at_the_top() -> None:
     assert strict.normalize({"type": "object", "properties": {}}, empty_top=True)[1]
-    with pytest.raises(strict.StrictError, match="no properties"):
+    with pytest.raises(StrictError, match="no properties"):
         strict.normalize({"type": "object", "properties": {}}, empty_top=False)

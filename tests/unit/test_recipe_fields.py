@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
-from services.recipe.convert import ConversionError, ConvertOptions, FieldRefusal, api_error, convert
+from services.recipe.convert import ConvertOptions, convert
 from services.recipe.convert.fields import REFUSED, check_min_tokens
 from services.recipe.emit import OutputProcessor, Ready, Tokens
+from services.recipe.errors import ConversionError, FieldRefusal, api_error
 from services.recipe.parse import TokenTable
 from services.recipe.service import sampling_params
 from shared.schemas.generate import SamplingParams

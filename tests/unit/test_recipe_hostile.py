@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from services.recipe.convert import schema, strict
+from services.recipe.errors import SchemaError, StrictError
 from services.recipe.model import ServedModel
 from services.recipe.service import RecipeService
 from shared.json_depth import MAX_JSON_DEPTH
@@ -102,9 +103,9 @@ async def test_count_tokens_answers_a_deep_schema_with_a_400(recipe: RecipeServi
 def test_each_schema_walk_has_its_own_depth_limit() -> None:
     """Called directly (not behind the body's check), the walks still refuse a schema they cannot walk."""
     deep = deep_schema(2_000)
-    with pytest.raises(schema.SchemaError, match="levels deep"):
+    with pytest.raises(SchemaError, match="levels deep"):
         schema.check({"type": "object", "properties": {"a": deep}})
-    with pytest.raises(strict.StrictError, match="levels deep"):
+    with pytest.raises(StrictError, match="levels deep"):
         strict.normalize({"type": "object", "properties": {"a": deep}}, empty_top=True)
     schema.check(deep_schema(20))  # a deep but reasonable schema is walked as before
     assert strict.normalize({"type": "object", "properties": {"a": deep_schema(20)}}, empty_top=True)[1]

@@ -5,25 +5,33 @@ from __future__ import annotations
 import io
 import json
 import sys
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from services.recipe import cli_render
 from services.recipe import conversation as cv
 from services.recipe.chat_template import ChatTemplate
-from services.recipe.convert import ConversionError, ConvertOptions, convert
-from services.recipe.formats import chat_template, render
+from services.recipe.convert import APIS, CONVERTERS, ConvertOptions, convert
+from services.recipe.convert.options import Encoding
+from services.recipe.errors import ConversionError
+from services.recipe.formats import PROMPT_FORMATS, chat_template, render
 from services.recipe.formats.deepseek import V4, V41
 from services.recipe.formats.deepseek_tokenizer import deepseek_v4_encoder
 from services.recipe.formats.jsontext import dumps, shortest_float
-from services.recipe.prepared import ToolSpec
+from services.recipe.prepared import Api, ToolSpec
 
 BOS, USER, ASSISTANT, EOS = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
 
 
 def conv(*messages: cv.Message, **settings: Any) -> cv.Conversation:
     return cv.Conversation(tuple(messages), **settings)
+
+
+def test_every_api_and_prompt_format_is_registered() -> None:
+    assert set(CONVERTERS) == set(APIS) == set(get_args(Api))
+    assert all(CONVERTERS[api]().__module__ == f"services.recipe.convert.{api}" for api in APIS)
+    assert set(PROMPT_FORMATS) == set(get_args(Encoding))  # every format ConvertOptions accepts can render
 
 
 def test_v4_multi_turn_without_thinking() -> None:

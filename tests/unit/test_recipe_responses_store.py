@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
-from services.recipe.apis.errors import ApiError
 from services.recipe.convert import ConvertOptions, convert
 from services.recipe.emit.base import Finish, Usage
 from services.recipe.emit.responses import ResponsesEmitter
+from services.recipe.errors import ApiError
 from services.recipe.responses_store import StoreIntent, annotate, continued, input_items, store_fields
 from shared.schemas.responses import StoredResponse
 

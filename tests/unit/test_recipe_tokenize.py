@@ -8,7 +8,8 @@ import orjson
 import pytest
 
 from services.recipe import tokenize
-from services.recipe.convert import ConversionError, ConvertOptions
+from services.recipe.convert import ConvertOptions
+from services.recipe.errors import ConversionError
 from services.recipe.model import ServedModel
 from services.recipe.queries import _answer
 

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 dr = pytest.importorskip("deepseek_recipe")
 
 from services.recipe import cli_parse, cli_render  # noqa: E402
-from services.recipe.convert import ConversionError, ConvertOptions, FieldRefusal, convert  # noqa: E402
+from services.recipe.convert import ConvertOptions, convert  # noqa: E402
 from services.recipe.emit import End, OutputProcessor, Ready, Tokens  # noqa: E402
+from services.recipe.errors import ConversionError, FieldRefusal  # noqa: E402
 from services.recipe.formats import render  # noqa: E402
 from services.recipe.formats.deepseek_tokenizer import deepseek_v4_encoder, tokenizer_path  # noqa: E402
 from services.recipe.model import ServedModel  # noqa: E402

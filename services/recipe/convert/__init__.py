@@ -3,47 +3,66 @@
     convert("chat", body, options)  ->  PreparedRequest  (or raises ConversionError: status + message)
 
 `body` is the raw request (bytes / str) or an already parsed JSON object. Errors carry the reference's status
-and message; `api_error` wraps one in the API's own error body for the client.
+and message; `services.recipe.errors.api_error` wraps one in the API's own error body for the client.
+
+`CONVERTERS` is the registry: an API is served once it has an entry there (a loader of its module's `convert`).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from types import MappingProxyType
+from typing import Any
 
 import orjson
 
-from services.recipe.apis.errors import ApiError, error_for
 from services.recipe.convert import fields
-from services.recipe.convert.options import (
-    DEEPSEEK_MODELS,
-    DEFAULT_OPTIONS,
-    ConversionError,
-    ConvertOptions,
-    Encoding,
-    FieldRefusal,
-)
-from services.recipe.convert.serde import BodyError
+from services.recipe.convert.options import DEEPSEEK_MODELS, DEFAULT_OPTIONS, ConvertOptions, Encoding
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.prepared import PreparedRequest
 from shared.json_depth import depth_message, too_deep
 
 Converter = Callable[[Any, ConvertOptions], PreparedRequest]
 
 
-APIS = ("chat", "responses", "messages", "completions")
 MAX_CACHE_SALT = 256  # vLLM's `cache_salt`: requests share cached prefixes only with the same salt (and tenant)
 
 
-def _converter(api: str) -> Converter:
-    # Imported on first use: the CLI converts one API per process and loads only that one.
-    module = importlib.import_module(f"services.recipe.convert.{api}")
-    return cast(Converter, module.convert)
+# Each loader imports its converter on first use: the CLI converts one API per process and loads only that one.
+def _chat() -> Converter:
+    from services.recipe.convert.chat import convert
+
+    return convert
+
+
+def _responses() -> Converter:
+    from services.recipe.convert.responses import convert
+
+    return convert
+
+
+def _messages() -> Converter:
+    from services.recipe.convert.messages import convert
+
+    return convert
+
+
+def _completions() -> Converter:
+    from services.recipe.convert.completions import convert
+
+    return convert
+
+
+CONVERTERS: Mapping[str, Callable[[], Converter]] = MappingProxyType(
+    {"chat": _chat, "responses": _responses, "messages": _messages, "completions": _completions}
+)
+APIS: tuple[str, ...] = tuple(CONVERTERS)
 
 
 def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT_OPTIONS) -> PreparedRequest:
-    if api not in APIS:
+    loader = CONVERTERS.get(api)
+    if loader is None:
         raise ValueError(f"unknown API {api!r}")
     if isinstance(body, (bytes, bytearray, memoryview, str)):
         try:
@@ -53,7 +72,7 @@ def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT
     if too_deep(body):  # the gateway refuses these too; the recipe guards its own walks
         raise ConversionError(depth_message())
     try:
-        prepared = _converter(api)(body, options)
+        prepared = loader()(body, options)
     except BodyError as exc:
         raise ConversionError(f"invalid request body: {exc.message}") from None
     salt = body.get("cache_salt") if isinstance(body, dict) else None
@@ -64,13 +83,4 @@ def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT
     return fields.apply(prepared.api, body, prepared, options)  # after every check the reference makes
 
 
-def api_error(api: str, error: ConversionError) -> ApiError:
-    """The refusal in the API's own error format (OpenAI's for chat, completions and responses)."""
-    param = error.field if isinstance(error, FieldRefusal) else None
-    return error_for(api, error.status, error.message, code="invalid_request_error", param=param)
-
-
-__all__ = [
-    "APIS", "DEEPSEEK_MODELS", "ConversionError", "ConvertOptions", "Encoding", "FieldRefusal", "api_error",
-    "convert",
-]
+__all__ = ["APIS", "CONVERTERS", "DEEPSEEK_MODELS", "ConvertOptions", "Encoding", "convert"]

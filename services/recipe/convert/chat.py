@@ -9,27 +9,30 @@ vLLM's fields and the ones we refuse are read afterwards by `convert/fields.py`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ResponseFormat
 from services.recipe.convert import common
-from services.recipe.convert.options import ConversionError, ConvertOptions, Encoding
+from services.recipe.convert.options import ConvertOptions, Encoding
 from services.recipe.convert.serde import (
     F32,
     Any_,
-    BodyError,
     Bool,
     Custom,
     Enum,
     Field,
     Opt,
+    Record,
     Seq,
     Str,
     Struct,
     Tagged,
     UInt,
+    json_field,
 )
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.prepared import PreparedRequest, ToolSpec
 
 MAX_STOPS = 16
@@ -114,62 +117,87 @@ _RESPONSE_FORMAT = Tagged("ChatCompletionResponseFormat", "type", {
     "regex": Struct("Regex", [Field("regex", Str, required=True)]),
     "text": None,
 })
-REQUEST = Struct("ChatCompletionRequest", [
-    Field("messages", Seq(_MESSAGE), required=True), Field("model", Str, required=True),
-    Field("frequency_penalty", Opt(F32)), Field("presence_penalty", Opt(F32)), Field("logprobs", Opt(Bool)),
-    Field("top_logprobs", Opt(UInt(8))), Field("max_tokens", Opt(UInt(32))), Field("n", Opt(UInt(8))),
-    Field("seed", Opt(UInt(64))), Field("stop", Opt(Custom(_stop))), Field("stream", Opt(Bool)),
-    Field("stream_options", Opt(Struct("ChatCompletionStreamOptions", [Field("include_usage", Opt(Bool))]))),
-    Field("temperature", Opt(F32)), Field("top_p", Opt(F32)), Field("response_format", Opt(_RESPONSE_FORMAT)),
-    Field("tools", Opt(Seq(_TOOL))), Field("tool_choice", Opt(Custom(_tool_choice))),
-    Field("parallel_tool_calls", Opt(Bool)),
-    Field("thinking", Opt(Struct("ChatCompletionThinking", [
-        Field("type", Enum(["adaptive", "enabled", "disabled"]), required=True),
-        Field("budget_tokens", Opt(UInt(64))),
-    ]))),
-    Field("reasoning_effort", Opt(Enum(["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"]))),
-])
+Part = tuple[str, dict[str, Any]]  # a tagged variant as serde reads it: (tag, its fields)
+_EFFORTS = ["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"]
+
+
+@dataclass(frozen=True)
+class ChatCompletionStreamOptions:
+    include_usage: bool | None = json_field(Opt(Bool))
+
+
+@dataclass(frozen=True)
+class ChatCompletionThinking:
+    type: str = json_field(Enum(["adaptive", "enabled", "disabled"]), required=True)
+    budget_tokens: int | None = json_field(Opt(UInt(64)))
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    messages: list[Part] = json_field(Seq(_MESSAGE), required=True)
+    model: str = json_field(Str, required=True)
+    frequency_penalty: float | None = json_field(Opt(F32))
+    presence_penalty: float | None = json_field(Opt(F32))
+    logprobs: bool | None = json_field(Opt(Bool))
+    top_logprobs: int | None = json_field(Opt(UInt(8)))
+    max_tokens: int | None = json_field(Opt(UInt(32)))
+    n: int | None = json_field(Opt(UInt(8)))
+    seed: int | None = json_field(Opt(UInt(64)))
+    stop: list[str] | str | None = json_field(Opt(Custom(_stop)))
+    stream: bool | None = json_field(Opt(Bool))
+    stream_options: ChatCompletionStreamOptions | None = json_field(Opt(Record(ChatCompletionStreamOptions)))
+    temperature: float | None = json_field(Opt(F32))
+    top_p: float | None = json_field(Opt(F32))
+    response_format: Part | None = json_field(Opt(_RESPONSE_FORMAT))
+    tools: list[dict[str, Any]] | None = json_field(Opt(Seq(_TOOL)))
+    tool_choice: str | tuple[str, str] | None = json_field(Opt(Custom(_tool_choice)))
+    parallel_tool_calls: bool | None = json_field(Opt(Bool))
+    thinking: ChatCompletionThinking | None = json_field(Opt(Record(ChatCompletionThinking)))
+    reasoning_effort: str | None = json_field(Opt(Enum(_EFFORTS)))
+
+
+REQUEST = Record(ChatCompletionRequest)
 
 
 def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     """Validation runs in the reference's order, so a request with several problems gets the same error."""
     req = REQUEST.read(body)
-    encoding = options.encoding(req["model"])
-    raw_tools = req["tools"] or []
+    encoding = options.encoding(req.model)
+    raw_tools = req.tools or []
     for i, t in enumerate(raw_tools):
         common.check_tool_name(t["function"]["name"], f"tools[{i}].function.name")
-    if not req["messages"]:
+    if not req.messages:
         raise ConversionError("Empty input messages")
-    thinking_type = req["thinking"]["type"] if req["thinking"] else None
+    thinking_type = req.thinking.type if req.thinking else None
     thinking = common.thinking_mode(
-        None if thinking_type is None else thinking_type != "disabled", req["reasoning_effort"], options, encoding
+        None if thinking_type is None else thinking_type != "disabled", req.reasoning_effort, options, encoding
     )
-    messages = _messages(req["messages"], thinking, encoding, options)
-    if req["response_format"] is not None and req["response_format"][0] == "json_object":
+    messages = _messages(req.messages, thinking, encoding, options)
+    if req.response_format is not None and req.response_format[0] == "json_object":
         if not common.mentions_json(messages):
             raise ConversionError(
                 "Prompt must contain the word 'json' in some form to use 'response_format' of type 'json_object'."
             )
-    tools, choice = _tools(raw_tools, req["tool_choice"], thinking)
-    if req["messages"][-1][0] == "assistant" and req["messages"][-1][1]["prefix"]:
-        if req["response_format"] is not None and req["response_format"][0] == "json_object":
+    tools, choice = _tools(raw_tools, req.tool_choice, thinking)
+    if req.messages[-1][0] == "assistant" and req.messages[-1][1]["prefix"]:
+        if req.response_format is not None and req.response_format[0] == "json_object":
             raise ConversionError("response_format json_object should not be used with prefix")
         if raw_tools or any(m.tool_calls for m in messages):
             raise ConversionError("Function call should not be used with prefix")
-    stop = _stops(req["stop"])
-    stream = bool(req["stream"])
-    if req["stream_options"] is not None and not stream:
+    stop = _stops(req.stop)
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
         raise ConversionError("stream_options should be set along with stream = true")
-    include_usage = bool(req["stream_options"] and req["stream_options"]["include_usage"])
-    fmt, schema_text = _response_format(req["response_format"])
-    if req["response_format"] is not None and any(t.strict for t in tools):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    fmt, schema_text = _response_format(req.response_format)
+    if req.response_format is not None and any(t.strict for t in tools):
         raise ConversionError("response_format should not be used with tools")
     sampling = _sampling(req, stop, thinking, options)
-    common.refuse_media(_first_media(req["messages"]), req["model"])
+    common.refuse_media(_first_media(req.messages), req.model)
     messages = [m for m in messages if m.role != "system" or m.content]  # empty system messages say nothing
-    conv = common.conversation(messages, tools, choice, thinking, req["reasoning_effort"], fmt)
+    conv = common.conversation(messages, tools, choice, thinking, req.reasoning_effort, fmt)
     return common.prepared(
-        "chat", req["model"], encoding, conv, sampling, stream=stream, include_usage=include_usage,
+        "chat", req.model, encoding, conv, sampling, stream=stream, include_usage=include_usage,
         schema_text=schema_text,
     )
 
@@ -206,25 +234,25 @@ def _stops(value: list[str] | str | None) -> list[str]:
     return value
 
 
-def _sampling(req: dict[str, Any], stop: list[str], thinking: bool, options: ConvertOptions) -> common.Sampling:
-    if req["n"] is not None and req["n"] != 1:
+def _sampling(req: ChatCompletionRequest, stop: list[str], thinking: bool, options: ConvertOptions) -> common.Sampling:
+    if req.n is not None and req.n != 1:
         raise ConversionError("Invalid n value (currently only n = 1 is supported)")
     for name in ("presence_penalty", "frequency_penalty"):
-        common.check_range(name, req[name], -2.0, 2.0, "[-2, 2]")
-    common.check_range("temperature", req["temperature"], 0.0, 2.0, "[0, 2]")
-    common.check_top_p(req["top_p"])
-    if req["top_logprobs"] is not None:
-        if not req["logprobs"]:
+        common.check_range(name, getattr(req, name), -2.0, 2.0, "[-2, 2]")
+    common.check_range("temperature", req.temperature, 0.0, 2.0, "[0, 2]")
+    common.check_top_p(req.top_p)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
             raise ConversionError(
                 "Invalid top_logprobs and logprobs value, logprobs must be set to true if top_logprobs is used."
             )
-        if req["top_logprobs"] > 20:
+        if req.top_logprobs > 20:
             raise ConversionError("Invalid top_logprobs value, the valid range of top_logprobs is [0, 20].")
-    common.check_max_tokens(req["max_tokens"], options.max_tokens_bound(thinking))
-    common.check_seed(req["seed"])
+    common.check_max_tokens(req.max_tokens, options.max_tokens_bound(thinking))
+    common.check_seed(req.seed)
     return common.Sampling(
-        max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"], seed=req["seed"],
-        logprobs=bool(req["logprobs"]), top_logprobs=req["top_logprobs"], stop=stop,
+        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, stop=stop,
     )
 
 

@@ -12,7 +12,8 @@ from typing import Any
 from services.recipe.conversation import Conversation, Message, ReasoningEffort, ResponseFormat, Role, ToolChoice
 from services.recipe.convert import schema as schemas
 from services.recipe.convert import strict
-from services.recipe.convert.options import ConversionError, ConvertOptions, Encoding, FieldRefusal
+from services.recipe.convert.options import ConvertOptions, Encoding
+from services.recipe.errors import ConversionError, FieldRefusal, SchemaError, StrictError
 from services.recipe.formats.jsontext import dumps
 from services.recipe.prepared import (
     Api,
@@ -113,7 +114,7 @@ def tool_spec(
     elif not is_strict:  # a strict schema is checked by its own, stricter reading
         try:
             schemas.check(parameters)
-        except schemas.SchemaError as exc:
+        except SchemaError as exc:
             raise ConversionError(f"Invalid schema for function '{name}': {exc}") from None
         problem = schemas.object_type_error(parameters)
         if problem is not None:
@@ -144,7 +145,7 @@ def check_tool_name(name: str, where: str) -> None:
 def strict_schema(value: Any, *, tool: bool) -> dict[str, Any]:
     try:
         normalized, is_object = strict.normalize(value, empty_top=tool)
-    except strict.StrictError as exc:
+    except StrictError as exc:
         if not exc.shape:
             raise ConversionError(exc.message) from None
         prefix = "Invalid tool parameters schema : " if tool else "Invalid json schema: "
@@ -167,7 +168,7 @@ def response_schema(value: Any, is_strict: bool | None) -> tuple[Any, str]:
         return value, dumps(strict_schema(value, tool=False), "compact")
     try:
         schemas.check(value)
-    except schemas.SchemaError as exc:
+    except SchemaError as exc:
         raise ConversionError(f"Invalid json schema: {exc}") from None
     constraint = value
     return value, dumps(constraint, "compact")

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from services.recipe.convert.options import ConvertOptions, FieldRefusal
+from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.serde import is_int, is_number, unexpected
+from services.recipe.errors import FieldRefusal
 from services.recipe.prepared import Api, PreparedRequest
 
 INT32_LIMIT = 1 << 31  # top_k at or above the vocabulary is no filter: the bound only keeps ints int32

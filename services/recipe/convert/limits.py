@@ -8,7 +8,7 @@ messages), and max_tokens: the reference's `ConversationRequest.resolve_max_toke
 
 from __future__ import annotations
 
-from services.recipe.convert.options import ConversionError
+from services.recipe.errors import ConversionError
 from services.recipe.prepared import PreparedRequest
 
 DEFAULT_MAX_TOKENS = 8_192

@@ -11,28 +11,31 @@ the reference: image and document blocks are refused (we serve text-only models)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message
 from services.recipe.convert import common
-from services.recipe.convert.options import ConversionError, ConvertOptions
+from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.serde import (
     F32,
     Any_,
-    BodyError,
     Bool,
     Custom,
     Enum,
     Field,
     Opt,
+    Record,
     Seq,
     Str,
     Struct,
     Tagged,
     UInt,
     invalid_type,
+    json_field,
 )
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.formats.jsontext import dumps
 from services.recipe.prepared import PreparedRequest, ToolSpec
 
@@ -131,60 +134,81 @@ def _tool(value: Any) -> dict[str, Any] | None:
             raise BodyError(f"field `{field.name}`: {exc.message}") from None
     return out
 _NO_PARALLEL = Field("disable_parallel_tool_use", Opt(Bool))
-REQUEST = Struct("MessagesRequest", [
-    Field("model", Str, required=True), Field("messages", Seq(Custom(_message)), required=True),
-    Field("max_tokens", Opt(UInt(32))),
-    Field("system", Opt(_text_or_list(Tagged("MessagesSystemBlock", "type", {
+
+
+@dataclass(frozen=True)
+class MessagesThinking:
+    type: str = json_field(Enum(["adaptive", "enabled", "disabled"]), required=True)
+    budget_tokens: int | None = json_field(Opt(UInt(64)))
+
+
+@dataclass(frozen=True)
+class MessagesMetadata:
+    user_id: str | None = json_field(Opt(Str))
+
+
+@dataclass(frozen=True)
+class MessagesOutputConfig:
+    effort: str | None = json_field(Opt(Enum(["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"])))
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    model: str = json_field(Str, required=True)
+    messages: list[tuple[str, Any]] = json_field(Seq(Custom(_message)), required=True)
+    max_tokens: int | None = json_field(Opt(UInt(32)))
+    system: Any = json_field(Opt(_text_or_list(Tagged("MessagesSystemBlock", "type", {
         "text": Struct("Text", [Field("text", Str, required=True)]),
-    })))),
-    Field("temperature", Opt(F32)), Field("top_p", Opt(F32)), Field("stop_sequences", Opt(Seq(Str))),
-    Field("stream", Opt(Bool)), Field("tools", Opt(Seq(Custom(_tool)))),
-    Field("tool_choice", Opt(Tagged("MessagesToolChoice", "type", {
+    }))))
+    temperature: float | None = json_field(Opt(F32))
+    top_p: float | None = json_field(Opt(F32))
+    stop_sequences: list[str] | None = json_field(Opt(Seq(Str)))
+    stream: bool | None = json_field(Opt(Bool))
+    tools: list[dict[str, Any] | None] | None = json_field(Opt(Seq(Custom(_tool))))
+    tool_choice: tuple[str, dict[str, Any]] | None = json_field(Opt(Tagged("MessagesToolChoice", "type", {
         "auto": Struct("Auto", [_NO_PARALLEL]), "any": Struct("Any", [_NO_PARALLEL]),
         "tool": Struct("Tool", [Field("name", Str, required=True), _NO_PARALLEL]), "none": None,
-    }))),
-    Field("thinking", Opt(Struct("MessagesThinking", [
-        Field("type", Enum(["adaptive", "enabled", "disabled"]), required=True), Field("budget_tokens", Opt(UInt(64))),
-    ]))),
-    Field("metadata", Opt(Struct("MessagesMetadata", [Field("user_id", Opt(Str))]))),
-    Field("output_config", Opt(Struct("MessagesOutputConfig", [
-        Field("effort", Opt(Enum(["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"]))),
-    ]))),
-])
+    })))
+    thinking: MessagesThinking | None = json_field(Opt(Record(MessagesThinking)))
+    metadata: MessagesMetadata | None = json_field(Opt(Record(MessagesMetadata)))
+    output_config: MessagesOutputConfig | None = json_field(Opt(Record(MessagesOutputConfig)))
+
+
+REQUEST = Record(MessagesRequest)
 
 
 def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     """Validation runs in the reference's order, so a request with several problems gets the same error."""
     req = REQUEST.read(body)
-    encoding = options.encoding(req["model"])
-    raw_tools = req["tools"] or []
+    encoding = options.encoding(req.model)
+    raw_tools = req.tools or []
     for i, t in enumerate(raw_tools):
         if t is None:
             raise ConversionError(f"tools[{i}]: server tools are not supported")
     for i, t in enumerate(raw_tools):
         common.check_tool_name(t["name"], f"tools[{i}].name")  # type: ignore[index]
-    thinking_type = req["thinking"]["type"] if req["thinking"] else None
-    effort = (req["output_config"] or {}).get("effort")
+    thinking_type = req.thinking.type if req.thinking else None
+    effort = req.output_config.effort if req.output_config else None
     thinking = common.thinking_mode(
         None if thinking_type is None else thinking_type != "disabled", effort, options, encoding
     )
-    if not req["messages"]:
+    if not req.messages:
         raise ConversionError("messages: at least one message is required")
     tool_names = {t["name"] for t in raw_tools if t is not None}
     messages = _messages(req, thinking, options, tool_names, encoding)
-    tools, choice = _choice(req["tool_choice"], raw_tools, thinking)  # type: ignore[arg-type]
-    stop = _stops(req["stop_sequences"])
-    common.check_range("temperature", req["temperature"], 0.0, 2.0, "[0, 2]")
-    common.check_top_p(req["top_p"])
-    max_tokens = req["max_tokens"]
+    tools, choice = _choice(req.tool_choice, raw_tools, thinking)  # type: ignore[arg-type]
+    stop = _stops(req.stop_sequences)
+    common.check_range("temperature", req.temperature, 0.0, 2.0, "[0, 2]")
+    common.check_top_p(req.top_p)
+    max_tokens = req.max_tokens
     if max_tokens is not None:
         bound = options.max_tokens_bound(thinking)
         max_tokens = min(max_tokens, bound)  # too large is lowered to the bound; 0 is refused
         common.check_max_tokens(max_tokens, bound)
-    sampling = common.Sampling(max_tokens=max_tokens, temperature=req["temperature"], top_p=req["top_p"], stop=stop)
-    common.refuse_media(_first_media(req["messages"]), req["model"])
+    sampling = common.Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop)
+    common.refuse_media(_first_media(req.messages), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, cv.TEXT)
-    return common.prepared("messages", req["model"], encoding, conv, sampling, stream=bool(req["stream"]))
+    return common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))
 
 
 def _first_media(messages: list[tuple[str, Any]]) -> str | None:
@@ -267,13 +291,13 @@ def _block_text(kind: str, block: dict[str, Any]) -> str:
 
 
 def _messages(
-    req: dict[str, Any], thinking: bool, options: ConvertOptions, tool_names: set[str], encoding: str
+    req: MessagesRequest, thinking: bool, options: ConvertOptions, tool_names: set[str], encoding: str
 ) -> list[Message]:
     out: list[Message] = []
-    system = req["system"]
+    system = req.system
     if system is not None:
         out.append(cv.system(system if isinstance(system, str) else "\n\n".join(b["text"] for _, b in system)))
-    raw = req["messages"]
+    raw = req.messages
     for i, (role, content) in enumerate(raw):
         if role != "system" and not content and not isinstance(content, str):
             raise ConversionError(f"messages.{i}: all messages must have non-empty content")

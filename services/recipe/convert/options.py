@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, get_args
+
+from services.recipe.errors import ConversionError
 
 Encoding = Literal["v4", "v41", "chat_template"]
 
@@ -15,28 +17,6 @@ Encoding = Literal["v4", "v41", "chat_template"]
 DEEPSEEK_MODELS: Mapping[str, Encoding] = MappingProxyType({"DeepSeek-V4-Pro": "v4", "DeepSeek-V4.1-Flash": "v41"})
 
 MAX_TOKENS_UPPER_BOUND = 393_216  # the reference's default bound on a requested max_tokens
-
-
-class ConversionError(Exception):
-    """A request the reference refuses: `status` and `message` are exactly its own; the API adapter wraps them
-    in its error body."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-class FieldRefusal(ConversionError):
-    """A 400 the reference does not give, about one request feature: a field we read and it does not (a vLLM
-    extension with a bad value) or one neither side honours that we refuse instead of dropping (logprobs,
-    penalties, image input...). Raised only after every check the reference makes, so a request it refuses
-    is still refused in its words. `field` is the top-level body field at fault (the client's `param`), or
-    None when the fault is inside the content (an image part)."""
-
-    def __init__(self, message: str, field: str | None) -> None:
-        super().__init__(message, 400)
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -50,7 +30,7 @@ class ConvertOptions:
     messages_web_search: Literal["drop", "reject"] = "reject"
 
     def __post_init__(self) -> None:
-        bad = {name: enc for name, enc in self.models.items() if enc not in ("v4", "v41", "chat_template")}
+        bad = {name: enc for name, enc in self.models.items() if enc not in get_args(Encoding)}
         if bad:
             raise ValueError(f"unknown prompt formats: {bad}")
 

@@ -11,23 +11,24 @@ reference does not know are ignored, like it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import ResponseFormat
 from services.recipe.convert import apply_patch, common
-from services.recipe.convert.options import ConversionError, ConvertOptions
+from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.responses_input import input_messages, namespaced, read_input
 from services.recipe.convert.serde import (
     F32,
     Any_,
-    BodyError,
     Bool,
     Custom,
     Enum,
     Field,
     Opt,
+    Record,
     Seq,
     Str,
     Struct,
@@ -35,7 +36,9 @@ from services.recipe.convert.serde import (
     UInt,
     f32_display,
     invalid_type,
+    json_field,
 )
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.prepared import PreparedRequest, ToolSpec
 
 _FUNCTION_FIELDS = [
@@ -92,28 +95,44 @@ def _tool_choice(value: Any) -> Any:
     return _CHOICE.read(value)
 
 
-REQUEST = Struct("ResponsesRequest", [
-    Field("model", Str, required=True), Field("input", Opt(Custom(read_input))), Field("instructions", Opt(Str)),
-    Field("max_output_tokens", Opt(UInt(32))), Field("temperature", Opt(F32)), Field("top_p", Opt(F32)),
-    Field("top_logprobs", Opt(UInt(8))), Field("tools", Opt(Seq(Custom(_tool)))),
-    Field("tool_choice", Opt(Custom(_tool_choice))),
-    Field("reasoning", Opt(Struct("ResponsesReasoningConfig", [
-        Field("effort", Opt(Enum(["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"]))),
-        Field("summary", Opt(Enum(["auto", "concise", "detailed"]))), Field("generate_summary", Any_),
-    ]))),
-    Field("text", Opt(Struct("ResponsesTextConfig", [
-        Field("format", seq_default=True, type=(Tagged("ResponsesTextFormat", "type", {
-            "text": None,
-            "json_schema": Struct("JsonSchema", [
-                Field("name", Str, required=True), Field("schema", Any_, required=True),
-                Field("strict", Opt(Bool)), Field("description", Any_),
-            ]),
-            "json_object": None,
-        }))),
-        Field("verbosity", Any_),
-    ]))),
-    Field("stream", Opt(Bool)), Field("user", Opt(Str)),
-])
+@dataclass(frozen=True)
+class ResponsesReasoningConfig:
+    effort: str | None = json_field(Opt(Enum(["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"])))
+    summary: str | None = json_field(Opt(Enum(["auto", "concise", "detailed"])))
+    generate_summary: Any = json_field(Any_)
+
+
+@dataclass(frozen=True)
+class ResponsesTextConfig:
+    format: tuple[str, dict[str, Any]] | None = json_field(Tagged("ResponsesTextFormat", "type", {
+        "text": None,
+        "json_schema": Struct("JsonSchema", [
+            Field("name", Str, required=True), Field("schema", Any_, required=True),
+            Field("strict", Opt(Bool)), Field("description", Any_),
+        ]),
+        "json_object": None,
+    }), seq_default=True)
+    verbosity: Any = json_field(Any_)
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    model: str = json_field(Str, required=True)
+    input: str | list[Any] | None = json_field(Opt(Custom(read_input)))
+    instructions: str | None = json_field(Opt(Str))
+    max_output_tokens: int | None = json_field(Opt(UInt(32)))
+    temperature: float | None = json_field(Opt(F32))
+    top_p: float | None = json_field(Opt(F32))
+    top_logprobs: int | None = json_field(Opt(UInt(8)))
+    tools: list[tuple[str, dict[str, Any]]] | None = json_field(Opt(Seq(Custom(_tool))))
+    tool_choice: Any = json_field(Opt(Custom(_tool_choice)))
+    reasoning: ResponsesReasoningConfig | None = json_field(Opt(Record(ResponsesReasoningConfig)))
+    text: ResponsesTextConfig | None = json_field(Opt(Record(ResponsesTextConfig)))
+    stream: bool | None = json_field(Opt(Bool))
+    user: str | None = json_field(Opt(Str))
+
+
+REQUEST = Record(ResponsesRequest)
 
 
 @cache
@@ -125,13 +144,13 @@ def apply_patch_tool(encoding: str) -> ToolSpec:
 def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     """Validation runs in the reference's order, so a request with several problems gets the same error."""
     req = REQUEST.read(body)
-    encoding = options.encoding(req["model"])
-    _declarations(req["tools"] or [])
-    effort = (req["reasoning"] or {}).get("effort")
+    encoding = options.encoding(req.model)
+    _declarations(req.tools or [])
+    effort = req.reasoning.effort if req.reasoning else None
     thinking = common.thinking_mode(None, effort, options, encoding)
-    messages = input_messages(req, thinking, options, encoding)
+    messages = input_messages(req.input, req.instructions, thinking, options, encoding)
     tools, choice, namespaces = _tools(req, thinking, options, encoding)
-    fmt_value = (req["text"] or {}).get("format")
+    fmt_value = req.text.format if req.text else None
     if fmt_value is not None and fmt_value[0] == "json_object" and not common.mentions_json(messages):
         raise ConversionError(
             "Response input messages must contain the word 'json' in some form to use 'text.format' of type "
@@ -142,18 +161,18 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     if fmt_value is not None and fmt_value[0] != "text" and any(t.strict for t in tools):
         raise ConversionError("response_format should not be used with tools")
     sampling = _sampling(req, thinking, options)
-    common.refuse_media(_first_media(req["input"]), req["model"])
+    common.refuse_media(_first_media(req.input), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, fmt)
     echo = {
-        "instructions": req["instructions"], "max_output_tokens": req["max_output_tokens"],
-        "temperature": 1.0 if req["temperature"] is None else f32_display(req["temperature"]),
-        "top_p": 1.0 if req["top_p"] is None else f32_display(req["top_p"]),
-        "top_logprobs": req["top_logprobs"] or 0,
-        "user": req["user"], "reasoning": _raw(body, "reasoning"), "text": _raw(body, "text"),
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "temperature": 1.0 if req.temperature is None else f32_display(req.temperature),
+        "top_p": 1.0 if req.top_p is None else f32_display(req.top_p),
+        "top_logprobs": req.top_logprobs or 0,
+        "user": req.user, "reasoning": _raw(body, "reasoning"), "text": _raw(body, "text"),
         "tool_choice": _raw(body, "tool_choice"), "tools": _raw(body, "tools"),
     }
     return common.prepared(
-        "responses", req["model"], encoding, conv, sampling, stream=bool(req["stream"]), schema_text=schema_text,
+        "responses", req.model, encoding, conv, sampling, stream=bool(req.stream), schema_text=schema_text,
         echo=echo, extra={"namespace_tool_map": namespaces} if namespaces else None,
     )
 
@@ -200,28 +219,28 @@ def _raw(body: Any, key: str) -> Any:
     return body.get(key) if isinstance(body, dict) else None
 
 
-def _sampling(req: dict[str, Any], thinking: bool, options: ConvertOptions) -> common.Sampling:
-    common.check_range("temperature", req["temperature"], 0.0, 2.0, "[0, 2]")
-    common.check_top_p(req["top_p"])
-    if req["top_logprobs"] is not None and req["top_logprobs"] > 20:
+def _sampling(req: ResponsesRequest, thinking: bool, options: ConvertOptions) -> common.Sampling:
+    common.check_range("temperature", req.temperature, 0.0, 2.0, "[0, 2]")
+    common.check_top_p(req.top_p)
+    if req.top_logprobs is not None and req.top_logprobs > 20:
         raise ConversionError("Invalid top_logprobs value, the valid range of top_logprobs is [0, 20].")
-    common.check_max_tokens(req["max_output_tokens"], options.max_tokens_bound(thinking))
+    common.check_max_tokens(req.max_output_tokens, options.max_tokens_bound(thinking))
     return common.Sampling(
-        max_tokens=req["max_output_tokens"], temperature=req["temperature"], top_p=req["top_p"],
-        top_logprobs=req["top_logprobs"], logprobs=req["top_logprobs"] is not None,
+        max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+        top_logprobs=req.top_logprobs, logprobs=req.top_logprobs is not None,
     )
 
 
 def _tools(
-    req: dict[str, Any], thinking: bool, options: ConvertOptions, encoding: str
+    req: ResponsesRequest, thinking: bool, options: ConvertOptions, encoding: str
 ) -> tuple[list[ToolSpec], cv.ToolChoice, dict[str, tuple[str, str]]]:
-    choice = req["tool_choice"] or "auto"
+    choice = req.tool_choice or "auto"
     tools: list[ToolSpec] = []
     namespaces: dict[str, tuple[str, str]] = {}
     if choice == "none":  # the tools are not offered, so not even checked
         return [], "none", namespaces
     names: set[str] = set()
-    for i, (kind, t) in enumerate(req["tools"] or []):
+    for i, (kind, t) in enumerate(req.tools or []):
         if kind in ("function", "custom"):
             if t["name"] in names:
                 raise ConversionError("Tool names must be unique.")

@@ -18,20 +18,9 @@ from typing import Any
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ToolCall
 from services.recipe.convert.common import developer_role
-from services.recipe.convert.options import ConversionError, ConvertOptions
-from services.recipe.convert.serde import (
-    Any_,
-    BodyError,
-    Custom,
-    Enum,
-    Field,
-    Opt,
-    Seq,
-    Str,
-    Struct,
-    Tagged,
-    invalid_type,
-)
+from services.recipe.convert.options import ConvertOptions
+from services.recipe.convert.serde import Any_, Custom, Enum, Field, Opt, Seq, Str, Struct, Tagged, invalid_type
+from services.recipe.errors import BodyError, ConversionError
 from services.recipe.formats.jsontext import dumps
 
 _TEXT_PARTS = {"input_text", "output_text"}
@@ -154,13 +143,14 @@ class _Turn:
         return [answer, *(cv.tool(self.outputs[c.id], c.id) for c in calls)]
 
 
-def input_messages(req: dict[str, Any], thinking: bool, options: ConvertOptions, encoding: str) -> list[Message]:
-    raw = req["input"]
-    if raw is None and not req["instructions"]:
+def input_messages(
+    raw: str | list[Any] | None, instructions: str | None, thinking: bool, options: ConvertOptions, encoding: str
+) -> list[Message]:
+    if raw is None and not instructions:
         raise ConversionError("Either input or instructions must be provided")
     if isinstance(raw, list) and not raw:
         raise ConversionError("Input items array must not be empty")
-    out: list[Message] = [cv.system(req["instructions"])] if req["instructions"] else []
+    out: list[Message] = [cv.system(instructions)] if instructions else []
     if isinstance(raw, str):
         return [*out, cv.user(raw)]
     turn: _Turn | None = None

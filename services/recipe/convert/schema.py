@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from services.recipe.errors import SchemaError
 from services.recipe.formats.jsontext import dumps
 from shared.json_depth import MAX_JSON_DEPTH, too_deep
 
@@ -40,10 +41,6 @@ _KEYWORDS: tuple[tuple[str, str], ...] = (
     ("contentSchema", "schema"),
     ("definitions", "schema_map"), ("dependencies", "object"),
 )
-
-
-class SchemaError(ValueError):
-    pass
 
 
 def show(value: Any) -> str:

@@ -11,24 +11,26 @@ value, raising `BodyError` at the first problem in document order, as serde does
 A struct reads its keys in the order the client sent them (the first bad value wins), then reports the first
 missing required field in declaration order. Unknown keys are ignored. JSON null is a value: it is accepted
 only by `Opt` (and `Any`).
+
+A request's top level is a `Record`: a frozen dataclass whose fields declare their serde types (`json_field`), read
+into an instance of it, so a converter gets typed attributes (`req.model`), not a dict:
+
+    @dataclass(frozen=True)
+    class CompletionRequest:
+        model: str = json_field(Str, required=True)
+    REQUEST = Record(CompletionRequest)   # REQUEST.read(body) -> CompletionRequest
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from services.recipe.errors import BodyError
 from services.recipe.formats.jsontext import shortest_float
-
-
-class BodyError(ValueError):
-    """The body does not have the API's shape; `message` is serde's (without the "invalid request body: ")."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 def unexpected(value: Any) -> str:
@@ -257,6 +259,30 @@ class Struct(Type):
         if len(items) > len(self.fields):
             raise BodyError(f"invalid length {len(items)}, expected fewer elements in array")
         return out
+
+
+R = TypeVar("R")
+
+
+def json_field(type: Type, *, required: bool = False, default: Any = None, seq_default: bool = False) -> Any:
+    """A `Record` field read with `type` (the JSON key is the attribute's name); the dataclass default is
+    `default` too, as the reader fills every field."""
+    serde = {"type": type, "required": required, "default": default, "seq_default": seq_default}
+    return dataclasses.field(default=default, metadata={"serde": serde})
+
+
+class Record(Type, Generic[R]):
+    """A `Struct` read into the frozen dataclass `cls` (its name is the struct's, as serde's messages say it):
+    the fields are the dataclass's, in declaration order, each declared with `json_field`."""
+
+    def __init__(self, cls: type[R], *, kind: str = "struct") -> None:
+        fields = [Field(f.name, **f.metadata["serde"]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        self.cls = cls
+        self.struct = Struct(cls.__name__, fields, kind=kind)
+        self.expecting = self.struct.expecting
+
+    def read(self, value: Any) -> R:
+        return self.cls(**self.struct.read(value))
 
 
 class Tagged(Type):

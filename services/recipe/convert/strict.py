@@ -15,22 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.recipe.convert.serde import BodyError, invalid_type, is_number, unknown_variant
+from services.recipe.convert.serde import invalid_type, is_number, unknown_variant
+from services.recipe.errors import BodyError, StrictError
 from shared.json_depth import MAX_JSON_DEPTH, too_deep
 
 _TYPES = ("object", "string", "number", "integer", "boolean", "array", "null")
 _SCALARS = ("string", "number", "integer", "boolean", "null")
 _FORMATS = ("email", "hostname", "ipv4", "ipv6", "uuid")
 _NUMERIC = ("const", "default", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-
-
-class StrictError(ValueError):
-    """`shape` errors come from reading the schema (the caller prefixes them), rule errors are final."""
-
-    def __init__(self, message: str, *, shape: bool) -> None:
-        super().__init__(message)
-        self.message = message
-        self.shape = shape
 
 
 def normalize(schema: Any, *, empty_top: bool) -> tuple[dict[str, Any], bool]:

@@ -10,13 +10,18 @@ prompt text and its token ids out.
 Completions requests carry a raw prompt instead (text or ids): encoded with the full vocabulary, no template
 (raw text by definition: the client writes its own control tokens, as vLLM encodes it).
 Errors the client can fix (a template refusing the conversation) raise `ConversionError` (400).
+
+`PROMPT_FORMATS` is the registry: a format is served once it has an entry there (how it renders a conversation
+and how it encodes a raw prompt).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
-from services.recipe.convert.options import ConversionError
+from services.recipe.errors import ConversionError
 from services.recipe.formats.deepseek import FORMATS
 from services.recipe.formats.deepseek_tokenizer import PromptEncoder, deepseek_v4_encoder
 from services.recipe.formats.prompt import RenderedPrompt
@@ -43,21 +48,24 @@ class ServedModelLike(Protocol):
     def encoder(self) -> PromptEncoder | None: ...  # DeepSeek models: their tokenizer's prompt encoder
 
 
-def render(prepared: PreparedRequest, model: ServedModelLike | None = None) -> tuple[str, list[int] | None]:
+Rendered = tuple[str, list[int] | None]  # (prompt, token ids); ids None where the format has no tokenizer
+
+
+class PromptFormat(Protocol):
+    def conversation(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered: ...
+
+    def raw(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered: ...
+
+
+def render(prepared: PreparedRequest, model: ServedModelLike | None = None) -> Rendered:
     """(prompt, token_ids); ids are None where no tokenizer exists for the format (V4.1). `model` is needed for
     "chat_template" (and used for raw prompts of such models)."""
+    fmt = PROMPT_FORMATS.get(prepared.encoding)
+    if fmt is None:
+        raise ValueError(f"unknown prompt format: {prepared.encoding!r}")
     if prepared.api == "completions":
-        return _raw(prepared, model)
-    if prepared.encoding == "chat_template":
-        if model is None:
-            raise ValueError("rendering a chat template needs the served model")
-        from services.recipe.formats import chat_template
-
-        return chat_template.encode(prepared.conversation, model)  # client text encoded as text
-    rendered = render_deepseek(prepared)
-    if prepared.encoding == "v41":
-        return rendered.prompt, None
-    return rendered.prompt, _v4_encoder(model).encode(rendered)
+        return fmt.raw(prepared, model)
+    return fmt.conversation(prepared, model)
 
 
 def render_deepseek(prepared: PreparedRequest) -> RenderedPrompt:
@@ -73,16 +81,54 @@ def _v4_encoder(model: ServedModelLike | None) -> PromptEncoder:
     return encoder if encoder is not None else deepseek_v4_encoder()
 
 
-def _raw(prepared: PreparedRequest, model: ServedModelLike | None) -> tuple[str, list[int] | None]:
-    ids = None if prepared.prompt_token_ids is None else list(prepared.prompt_token_ids)
-    text = prepared.prompt or ""
-    if prepared.encoding == "v4":
-        encoder = _v4_encoder(model)
+def _ids(prepared: PreparedRequest) -> list[int] | None:
+    return None if prepared.prompt_token_ids is None else list(prepared.prompt_token_ids)
+
+
+def _decoded(ids: list[int], model: ServedModelLike | None) -> Rendered:
+    """Client token ids, shown as the served model's text (none without a model: the offline CLI)."""
+    return (model.tokenizer.decode(ids, skip_special=False) if model is not None else ""), ids
+
+
+class _DeepSeekV4:
+    def conversation(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered:
+        rendered = render_deepseek(prepared)
+        return rendered.prompt, _v4_encoder(model).encode(rendered)
+
+    def raw(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered:
+        ids, encoder, text = _ids(prepared), _v4_encoder(model), prepared.prompt or ""
         return (encoder.decode(ids), ids) if ids is not None else (text, encoder.encode_raw(text))
-    if ids is not None:
-        return (model.tokenizer.decode(ids, skip_special=False) if model is not None else ""), ids
-    if prepared.encoding == "v41":
-        return text, None
-    if model is not None:
+
+
+class _DeepSeekV41:
+    """Rendered only: the V4 tokenizer has no <｜System｜>, so no ids."""
+
+    def conversation(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered:
+        return render_deepseek(prepared).prompt, None
+
+    def raw(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered:
+        ids = _ids(prepared)
+        return _decoded(ids, model) if ids is not None else (prepared.prompt or "", None)
+
+
+class _ChatTemplate:
+    def conversation(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered:
+        if model is None:
+            raise ValueError("rendering a chat template needs the served model")
+        from services.recipe.formats import chat_template
+
+        return chat_template.encode(prepared.conversation, model)  # client text encoded as text
+
+    def raw(self, prepared: PreparedRequest, model: ServedModelLike | None) -> Rendered:
+        ids = _ids(prepared)
+        if ids is not None:
+            return _decoded(ids, model)
+        if model is None:
+            raise ConversionError("this model needs its tokenizer to encode a raw prompt")
+        text = prepared.prompt or ""
         return text, model.tokenizer.encode(text)
-    raise ConversionError("this model needs its tokenizer to encode a raw prompt")
+
+
+PROMPT_FORMATS: Mapping[str, PromptFormat] = MappingProxyType(
+    {"v4": _DeepSeekV4(), "v41": _DeepSeekV41(), "chat_template": _ChatTemplate()}
+)

@@ -22,9 +22,9 @@ import secrets
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from services.recipe.chat_template import ChatTemplate, TemplateError
+from services.recipe.chat_template import ChatTemplate
 from services.recipe.conversation import Conversation
-from services.recipe.convert.options import ConversionError
+from services.recipe.errors import ConversionError, TemplateError
 
 
 class TemplateModel(Protocol):

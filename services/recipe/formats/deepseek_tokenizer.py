@@ -19,12 +19,9 @@ from pathlib import Path
 import orjson
 import tokenizers
 
+from services.recipe.errors import MissingToken
 from services.recipe.formats.prompt import RenderedPrompt
 from shared.deepseek_tokenizer import deepseek_tokenizer_dir
-
-
-class MissingToken(ValueError):
-    """A control token of the prompt has no id in this tokenizer."""
 
 
 @dataclass(frozen=True)

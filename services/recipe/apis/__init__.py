@@ -1,1 +1,0 @@
-"""Each API's error format (errors.py); conversion lives in convert/, output in emit/."""
