@@ -99,19 +99,24 @@ def _prefill_kernel(
 
 def prefill_attention(q: torch.Tensor, win: torch.Tensor, sinks: torch.Tensor, start: int, first: int,
                       window: int, scale: float, entries: torch.Tensor | None = None, ratio: int = 0,
-                      ids: torch.Tensor | None = None) -> torch.Tensor:
+                      ids: torch.Tensor | None = None, rows: int = 0, block_n: int = 0, num_warps: int = 0
+                      ) -> torch.Tensor:
     """q (n, H, D) queries at positions start..start+n-1; win (start + n - first, D) keys of positions
     first..start+n-1; entries (E, D) with ratio (HCA: all visible) and, for CSA, ids (n, K) int32 entry ids
-    per query (-1 = none); sinks (H,) float32. Returns (n, H, D) in q's dtype, still rotated."""
+    per query (-1 = none); sinks (H,) float32. Returns (n, H, D) in q's dtype, still rotated.
+    rows, block_n, num_warps: the tile (rows = queries x heads per program; 0 = the default for D: at V4-Flash's
+    D = 512 on an H200, 64 rows (all heads of a query) x 32 keys, 8 warps was the fastest of 16-64 x 16-64 x 4-8
+    for every kind, 1.4-2.1x the 16-row tile)."""
     n, H, D = q.shape
     assert D & (D - 1) == 0 and win.shape == (start + n - first, D) and win.is_contiguous()
     out = torch.empty_like(q)
     if n == 0:
         return out
     mode = SLIDING_ONLY if entries is None else ALL_ENTRIES if ids is None else SELECTED_ENTRIES
-    bh = min(triton.next_power_of_2(H), 16)
+    rows = rows or (64 if D >= 256 else 16)
+    bh = min(triton.next_power_of_2(H), rows)
     # rows of a tile: CSA's heads alone (padded to the 16 rows a dot needs), else queries x heads
-    bq = 1 if mode == SELECTED_ENTRIES else max(1, 16 // bh)
+    bq = 1 if mode == SELECTED_ENTRIES else max(1, rows // bh)
     bh = max(bh, 16 // bq)
     ent = win if entries is None else entries.contiguous()
     sel = torch.empty(1, 1, dtype=torch.int32, device=q.device) if ids is None else ids.contiguous()
@@ -121,8 +126,8 @@ def prefill_attention(q: torch.Tensor, win: torch.Tensor, sinks: torch.Tensor, s
         q, win, ent, sel, sinks, out,
         n, H, start, first, window, max(ratio, 1), sel.shape[1] if ids is not None else 0, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), sel.stride(0),
-        D=D, BQ=bq, BH=bh, BLOCK_N=32 if D >= 256 else 16, MODE=mode, PRECISION=_precision(q.dtype),
-        num_warps=8 if D >= 256 else 4,
+        D=D, BQ=bq, BH=bh, BLOCK_N=block_n or (32 if D >= 256 else 16), MODE=mode, PRECISION=_precision(q.dtype),
+        num_warps=num_warps or (8 if D >= 256 else 4),
     )
     return out
 
@@ -138,14 +143,16 @@ def _index_scores_kernel(
     rmask = rows < n
     emask = e < E
     c = tl.arange(0, DI)
-    keys = tl.load(k_ptr + e[:, None].to(tl.int64) * DI + c[None, :], mask=emask[:, None], other=0.0)
     acc = tl.zeros([BM, BE], tl.float32)
-    for h in range(HI):  # the key tile stays in registers for every index head
-        q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qt + h * stride_qh + c[None, :],
-                    mask=rmask[:, None], other=0.0)
-        w = tl.load(w_ptr + rows.to(tl.int64) * stride_wt + h, mask=rmask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
-        acc += tl.maximum(s, 0.0) * w[:, None]
+    # causal: a tile past the entries the block's last row sees is all -inf (half the (n, E) square)
+    if tl.program_id(1) * BE < (start + tl.minimum(n, tl.program_id(0) * BM + BM)) // ratio:
+        keys = tl.load(k_ptr + e[:, None].to(tl.int64) * DI + c[None, :], mask=emask[:, None], other=0.0)
+        for h in range(HI):  # the key tile stays in registers for every index head
+            q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qt + h * stride_qh + c[None, :],
+                        mask=rmask[:, None], other=0.0)
+            w = tl.load(w_ptr + rows.to(tl.int64) * stride_wt + h, mask=rmask, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+            acc += tl.maximum(s, 0.0) * w[:, None]
     acc = acc * scale
     visible = (start + rows + 1) // ratio
     acc = tl.where(e[None, :] < visible[:, None], acc, float("-inf"))
@@ -154,7 +161,7 @@ def _index_scores_kernel(
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int, ratio: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, bm: int = 64, be: int = 128, num_warps: int = 4) -> torch.Tensor:
     """q (n, HI, DI) index queries at positions start..; weights (n, HI); keys (E, DI) -> (n, E) float32
     scores sum_h weights[:, h] relu(q_h . k_e) * scale, -inf where entry e is not yet visible."""
     n, HI, DI = q.shape
@@ -164,11 +171,10 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sta
     if n == 0 or E == 0:
         return out
     q, weights, keys = q.contiguous(), weights.contiguous(), keys.contiguous().to(q.dtype)
-    bm, be = 32, 64 if DI <= 128 else 32
     grid = (triton.cdiv(n, bm), triton.cdiv(E, be))
     _index_scores_kernel[grid](
         q, weights, keys, out, n, E, start, ratio, scale,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
-        HI=HI, DI=DI, BM=bm, BE=be, PRECISION=_precision(q.dtype), num_warps=4,
+        HI=HI, DI=DI, BM=bm, BE=be, PRECISION=_precision(q.dtype), num_warps=num_warps,
     )
     return out
