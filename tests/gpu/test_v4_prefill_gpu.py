@@ -53,7 +53,7 @@ def _attend(model: DeepseekV4, kernels: bool, rid: str, start: int, x: torch.Ten
         state.length = start + n
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
 def test_chunk_after_a_prefix_matches_torch(kind: str, dtype: torch.dtype, tol: float) -> None:
     """A 1000-token chunk after a 2300-token prefix (mid-window, 575 CSA entries > index_topk, 17 HCA ones)."""

@@ -106,14 +106,15 @@ def prefill_attention(q: torch.Tensor, win: torch.Tensor, sinks: torch.Tensor, s
     per query (-1 = none); sinks (H,) float32. Returns (n, H, D) in q's dtype, still rotated.
     rows, block_n, num_warps: the tile (rows = queries x heads per program; 0 = the default for D: at V4-Flash's
     D = 512 on an H200, 64 rows (all heads of a query) x 32 keys, 8 warps was the fastest of 16-64 x 16-64 x 4-8
-    for every kind, 1.4-2.1x the 16-row tile)."""
+    for every kind, 1.4-2.1x the 16-row tile; fp32 keeps 16 rows)."""
     n, H, D = q.shape
     assert D & (D - 1) == 0 and win.shape == (start + n - first, D) and win.is_contiguous()
     out = torch.empty_like(q)
     if n == 0:
         return out
     mode = SLIDING_ONLY if entries is None else ALL_ENTRIES if ids is None else SELECTED_ENTRIES
-    rows = rows or (64 if D >= 256 else 16)
+    wide = D >= 256 and q.element_size() <= 2  # fp32 tiles of 64 x 32 x 512 overflow shared memory
+    rows = rows or (64 if wide else 16)
     bh = min(triton.next_power_of_2(H), rows)
     # rows of a tile: CSA's heads alone (padded to the 16 rows a dot needs), else queries x heads
     bq = 1 if mode == SELECTED_ENTRIES else max(1, rows // bh)
@@ -161,7 +162,7 @@ def _index_scores_kernel(
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int, ratio: int,
-                 scale: float, bm: int = 64, be: int = 128, num_warps: int = 4) -> torch.Tensor:
+                 scale: float, bm: int = 0, be: int = 0, num_warps: int = 4) -> torch.Tensor:
     """q (n, HI, DI) index queries at positions start..; weights (n, HI); keys (E, DI) -> (n, E) float32
     scores sum_h weights[:, h] relu(q_h . k_e) * scale, -inf where entry e is not yet visible."""
     n, HI, DI = q.shape
@@ -171,6 +172,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sta
     if n == 0 or E == 0:
         return out
     q, weights, keys = q.contiguous(), weights.contiguous(), keys.contiguous().to(q.dtype)
+    half = q.element_size() <= 2  # 64 x 128 was the fastest bf16 tile on an H200; fp32 needs half the memory
+    bm, be = bm or (64 if half else 32), be or (128 if half else 64)
     grid = (triton.cdiv(n, bm), triton.cdiv(E, be))
     _index_scores_kernel[grid](
         q, weights, keys, out, n, E, start, ratio, scale,
