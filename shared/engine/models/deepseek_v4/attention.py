@@ -20,22 +20,28 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata, SeqSpan
+from shared.engine.kernels import HAVE_TRITON
 from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
 from shared.engine.models.deepseek_v4.mhc import rms
 from shared.engine.models.deepseek_v4.rope import Rotary, rotate
 from shared.engine.models.deepseek_v4.spec import SLIDING, DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import Compressor, Layer
 
+if HAVE_TRITON:
+    from shared.engine.models.deepseek_v4 import prefill
+
 Angles = dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" -> (cos, sin) of the step's rows
 
 
 class Attention:
-    def __init__(self, spec: DeepseekV4Spec, device: torch.device) -> None:
+    def __init__(self, spec: DeepseekV4Spec, device: torch.device, triton: bool = False) -> None:
         self.spec = spec
+        self.triton = triton
         rd = spec.rope_head_dim
         self.rope_main = Rotary(rd, spec.rope_theta, None, device)
         self.rope_compress = Rotary(rd, spec.compress_rope_theta, spec.compress_rope_scaling, device)
         self.scale = spec.head_dim**-0.5
+        self.prefill_kernels = triton and prefill.supported(self)
 
     def angles(self, positions: torch.Tensor) -> Angles:
         return {"main": self.rope_main.angles(positions), "compress": self.rope_compress.angles(positions)}
@@ -62,9 +68,11 @@ class Attention:
         out = torch.empty_like(q)
         for span, state in zip(meta.spans, states):
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self.attend_one(i, layer, span, state, kv, positions[rows], q[rows], k[rows],
-                                        None if comp is None else (comp[0][rows], comp[1][rows]),
-                                        None if idx is None else tuple(t[rows] for t in idx))
+            # a prefill chunk through the kernels of prefill.py (no logits in memory); attend_one is the reference
+            attend = prefill.attend if self.prefill_kernels and span.q_len > 1 else Attention.attend_one
+            out[rows] = attend(self, i, layer, span, state, kv, positions[rows], q[rows], k[rows],
+                               None if comp is None else (comp[0][rows], comp[1][rows]),
+                               None if idx is None else tuple(t[rows] for t in idx))
         out = rotate(out, cos, -sin)  # undo the rotation V carried, at the query's position
         return self.output(layer, out)
 

@@ -43,7 +43,7 @@ class DeepseekV4:
         self.weights = load(spec, weights, device, dtype)
         self.layers = self.weights.layers
         self.mtp = self.weights.mtp
-        self.attention = Attention(spec, device)
+        self.attention = Attention(spec, device, self.triton)
 
     # --- the cache ----------------------------------------------------------------------------------------------
 
