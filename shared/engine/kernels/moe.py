@@ -1,0 +1,197 @@
+"""Fused mixture of experts: every (row, expert) pair of a step in two grouped GEMM launches, any batch size,
+with no host read-back (so CUDA graphs can capture it) and the expert weights read in their stacked layout.
+
+The steps (vLLM's and SGLang's fused_moe have the same shape; this is our own, for DeepSeek-V4's experts):
+
+  align (torch, on the device)  the T k pairs p = t k + j (row t's j-th choice) sorted by expert; each
+                                expert's group padded to BLOCK_M with the sentinel T k, so one block of
+                                BLOCK_M slots belongs to one expert:
+
+      sorted_pairs  [ e0 e0 e0 -  | e3 -  -  -  | e5 e5 e5 e5 | e5 -  -  -  | (unused to the bound) ]
+      block_group   [ 0           | 3           | 5           | 5           | ...                   ]
+      padded        16 (a tensor: the kernels skip blocks at or past it)
+
+                                The grid is sized by the bound T k + min(E, T k)(BLOCK_M - 1), known from
+                                the shapes alone: no sync, the same launch for every routing of T rows.
+  up    (one launch)            h[p] = silu(min(g, limit)) * clamp(u, -limit, limit) with g | u = x[p // k]
+                                times the gate | up rows of w13[e] (E, 2 I, D): program (block, n) computes
+                                the gate and the up tile of the same columns n, so the SwiGLU is its epilogue.
+  down  (one launch)            y[p] = weight[p] * (h[p] @ w2[e]^T), w2 (E, D, I), float32 (T k, D)
+  combine                       out[t] = sum_j y[t k + j], in float32 (deterministic, unlike atomic adds)
+
+The shared expert rides along as group E: one more choice per row (weight 1), so it is read in the same
+launches and summed by the same combine (at batch 1 a separate dense SwiGLU would be 3 more launches around
+7 % of the layer's MoE bytes; fused, it is one more block per launch).
+
+At decode (a few rows) each touched expert's matrices are read once by one block of 16 slots (tl.dot needs 16
+rows; the padding costs FLOPs, which are free there, not bytes), spread over many programs along N. Rounding
+follows the torch path: the GEMM results are rounded to the activation dtype before the SwiGLU / the weight.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n_up: int  # columns of h per program (it reads 2 x this many rows of w13)
+    block_n_down: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def config(pairs: int, groups: int) -> Config:
+    """Tiles by the mean rows per expert (a host-known number: the shapes, not the routing)."""
+    mean = pairs / groups
+    if mean <= 16:  # decode: bytes-bound, one 16-slot block per touched expert, many programs over N
+        return Config(16, 32, 64, 128, 4, 4)
+    if mean <= 64:
+        return Config(32, 64, 64, 64, 4, 3)
+    return Config(64, 128, 128, 64, 8, 3)  # long prefill: every expert full, compute-bound
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32: plain fp32 products (Triton's default for fp32 dots is tf32, ~3e-4 relative error)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def align(chosen: torch.Tensor, groups: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chosen (T, k) int64 group ids -> sorted_pairs (P,) int32, block_group (P / block_m,) int32, padded (1,)
+    int32, with P = the bound on the padded pair count. All on chosen's device, no host sync."""
+    pairs = chosen.numel()
+    dev = chosen.device
+    flat = chosen.flatten()
+    counts = torch.zeros(groups, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    ends = padded_counts.cumsum(0)  # (groups,) end slot of each group's padded run
+    order = torch.argsort(flat, stable=True)  # pairs in group order
+    g = flat[order]
+    # slot of the i-th pair in group order: its group's first slot + its rank inside the group
+    slot = (ends - padded_counts)[g] + torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[g]
+    bound = -(-(pairs + min(groups, pairs) * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.full((bound,), pairs, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, slot, order.to(torch.int32))
+    starts = torch.arange(0, bound, block_m, device=dev)
+    block_group = torch.searchsorted(ends, starts, right=True).clamp_(max=groups - 1).to(torch.int32)
+    return sorted_pairs, block_group, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _up_kernel(
+    x_ptr, w_ptr, ws_ptr, h_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, I, D, limit,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(padded_ptr):
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+    pmask = pair < pairs
+    row = pair // TOP_K
+    e = tl.load(group_ptr + pid_m).to(tl.int64)
+    w = w_ptr + e * 2 * I * D  # w13[e]: (2 I, D), gate rows then up rows
+    if SHARED:
+        if e == N_EXPERTS:
+            w = ws_ptr
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    kk = tl.arange(0, BLOCK_K)
+    gate_rows = w + n.to(tl.int64)[:, None] * D
+    up_rows = gate_rows + I * D
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + kk
+        kmask = k < D
+        xt = tl.load(x_ptr + row[:, None] * D + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
+        wmask = nmask[:, None] & kmask[None, :]
+        wg = tl.load(gate_rows + k[None, :], mask=wmask, other=0.0)  # (BLOCK_N, BLOCK_K)
+        wu = tl.load(up_rows + k[None, :], mask=wmask, other=0.0)
+        acc_g += tl.dot(xt, tl.trans(wg), input_precision=PRECISION)
+        acc_u += tl.dot(xt, tl.trans(wu), input_precision=PRECISION)
+    dt = h_ptr.dtype.element_ty
+    g = tl.minimum(acc_g.to(dt).to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(acc_u.to(dt).to(tl.float32), -limit), limit)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + pair[:, None] * I + n[None, :], h.to(dt), mask=pmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, ws_ptr, y_ptr, weight_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, D, I,
+    SHARED: tl.constexpr, N_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(padded_ptr):
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pmask = pair < pairs
+    e = tl.load(group_ptr + pid_m).to(tl.int64)
+    w = w_ptr + e * D * I  # w2[e]: (D, I)
+    if SHARED:
+        if e == N_EXPERTS:
+            w = ws_ptr
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < D
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w + n.to(tl.int64)[:, None] * I
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        kmask = k < I
+        ht = tl.load(h_ptr + pair[:, None] * I + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
+        wt = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+        acc += tl.dot(ht, tl.trans(wt), input_precision=PRECISION)
+    weight = tl.load(weight_ptr + pair, mask=pmask, other=0.0)  # float32 routing weight of the pair
+    y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    tl.store(y_ptr + pair[:, None] * D + n[None, :], y, mask=pmask[:, None] & nmask[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    limit: float, shared: tuple[torch.Tensor, torch.Tensor] | None = None, cfg: Config | None = None,
+) -> torch.Tensor:
+    """x (T, D), chosen (T, k) int64 expert ids, weights (T, k) float32, w13 (E, 2 I, D), w2 (E, D, I),
+    shared: the shared expert's (2 I, D) and (D, I) or None -> sum_j weights[t, j] expert_{chosen[t, j]}(x[t])
+    (+ shared(x[t])), (T, D) in x's dtype."""
+    T, D = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    assert w13.shape[2] == D and w2.shape == (E, D, I) and x.dtype == w13.dtype == w2.dtype
+    if shared is not None:
+        assert shared[0].shape == (I2, D) and shared[1].shape == (D, I)
+        # the shared expert as group E: one more choice per row, weight 1
+        chosen = torch.cat([chosen, chosen.new_full((T, 1), E)], dim=1)
+        weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
+    k = chosen.shape[1]
+    pairs, groups = T * k, E + (shared is not None)
+    if T == 0:
+        return torch.zeros_like(x)
+    cfg = cfg or config(pairs, groups)
+    sorted_pairs, block_group, padded = align(chosen, groups, cfg.block_m)
+    blocks = block_group.numel()
+    x = x.contiguous()
+    s13, s2 = shared if shared is not None else (w13, w2)  # unread stand-ins when there is no shared expert
+    precision = _dot_precision(x.dtype)
+    h = torch.empty(pairs, I, dtype=x.dtype, device=x.device)
+    _up_kernel[(blocks, triton.cdiv(I, cfg.block_n_up))](
+        x, w13, s13, h, sorted_pairs, block_group, padded, pairs, I, D, float(limit),
+        TOP_K=k, SHARED=shared is not None, N_EXPERTS=E,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = torch.empty(pairs, D, dtype=torch.float32, device=x.device)
+    _down_kernel[(blocks, triton.cdiv(D, cfg.block_n_down))](
+        h, w2, s2, y, weights.contiguous().float(), sorted_pairs, block_group, padded, pairs, D, I,
+        SHARED=shared is not None, N_EXPERTS=E,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.view(T, k, D).sum(1).to(x.dtype)
