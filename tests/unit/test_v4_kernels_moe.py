@@ -19,7 +19,7 @@ from shared.engine.models.deepseek_v4.weights import Experts
 from tests import v4_checkpoints
 
 triton = pytest.importorskip("triton")
-from shared.engine.kernels.moe import Config, align, config, fused_moe  # noqa: E402
+from shared.engine.kernels.moe import SMALL_PAIRS, Config, align, align_pairs, config, fused_moe  # noqa: E402
 
 LIMIT = 1.5
 SMALL = Config(16, 16, 16, 32, 4, 1)  # tiles smaller than D and I: the loops and edge masks run
@@ -60,12 +60,28 @@ def test_align_layout(T: int, E: int, k: int, block_m: int) -> None:
         assert bool((flat[real.long()] == block_group[b]).all())  # one expert per block
 
 
+@pytest.mark.parametrize("T,k", [(1, 6), (3, 2), (17, 3), (36, 6)])
+@pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "routed-only"])
+def test_one_program_align_equals_torch_align(T: int, k: int, with_shared: bool) -> None:
+    """Decode's one-program align gives the very layout of the torch ops (the same stable order)."""
+    E = 12
+    chosen, _ = _routing(T, E, k, seed=T, used=9)
+    assert T * (k + with_shared) <= SMALL_PAIRS
+    every = torch.cat([chosen, torch.full((T, 1), E)], 1) if with_shared else chosen
+    want = align(every, E + with_shared, 16)
+    got = align_pairs(chosen, E, with_shared, 16)
+    n = int(want[2])
+    assert int(got[2]) == n
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1][: n // 16], want[1][: n // 16])
+
+
 def _reference(x, chosen, weights, routed, shared):
     out = experts(routed, x, chosen, weights, LIMIT)
     return out if shared is None else out + shared_expert(shared, x, LIMIT)
 
 
-@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("T", [1, 3, 17, 64, 100])  # 100: past SMALL_PAIRS, the torch align
 @pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "routed-only"])
 def test_fused_matches_torch(T: int, with_shared: bool) -> None:
     E, D, I, k = 8, 48, 40, 3

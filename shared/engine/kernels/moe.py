@@ -61,6 +61,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _bound(pairs: int, groups: int, block_m: int) -> int:
+    """Slots of the padded sort, at most: each touched group (at most min(groups, pairs)) pads < block_m."""
+    return -(-(pairs + min(groups, pairs) * (block_m - 1)) // block_m) * block_m
+
+
 def align(chosen: torch.Tensor, groups: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chosen (T, k) int64 group ids -> sorted_pairs (P,) int32, block_group (P / block_m,) int32, padded (1,)
     int32, with P = the bound on the padded pair count. All on chosen's device, no host sync."""
@@ -74,12 +79,69 @@ def align(chosen: torch.Tensor, groups: int, block_m: int) -> tuple[torch.Tensor
     g = flat[order]
     # slot of the i-th pair in group order: its group's first slot + its rank inside the group
     slot = (ends - padded_counts)[g] + torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[g]
-    bound = -(-(pairs + min(groups, pairs) * (block_m - 1)) // block_m) * block_m
+    bound = _bound(pairs, groups, block_m)
     sorted_pairs = torch.full((bound,), pairs, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, slot, order.to(torch.int32))
     starts = torch.arange(0, bound, block_m, device=dev)
     block_group = torch.searchsorted(ends, starts, right=True).clamp_(max=groups - 1).to(torch.int32)
     return sorted_pairs, block_group, ends[-1:].to(torch.int32)
+
+
+SMALL_PAIRS = 256  # up to this many pairs (decode: batch <= 36 at top 6 + shared) align runs as one program
+
+
+@triton.jit
+def _align_small_kernel(
+    chosen_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, bound,
+    K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr,
+):
+    """align() in one program, for a few pairs: everything from (P, P) comparisons of the pairs' groups, so the
+    slots are the stable order align() gives (no atomics) and the decode step is one launch, not ~12."""
+    K1: tl.constexpr = K + SHARED  # choices per row, the shared expert last
+    i = tl.arange(0, P_PAD)
+    valid = i < pairs
+    t, j = i // K1, i % K1
+    e = tl.load(chosen_ptr + t * K + j, mask=valid & (j < K), other=0).to(tl.int32)
+    if SHARED:
+        e = tl.where(j == K, N_EXPERTS, e)
+    e = tl.where(valid, e, N_EXPERTS + 1)  # padding lanes: a group of their own, never written
+    ei, ej = e[:, None], e[None, :]  # (P_PAD, 1), (1, P_PAD)
+    same = ei == ej
+    before = i[None, :] < i[:, None]
+    rank = tl.sum((same & before).to(tl.int32), 1)  # (P_PAD,) rank of pair i inside its group
+    count = tl.sum(same.to(tl.int32), 1)  # size of pair i's group
+    runs = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # its padded run
+    first = (rank == 0) & valid  # one representative pair per touched group
+    run_j = tl.where(first, runs, 0)[None, :]
+    start = tl.sum(tl.where(ej < ei, run_j, 0), 1)  # runs of the groups before pair i's
+    total = tl.sum(tl.where(first, runs, 0), 0)
+    for b0 in range(0, bound, P_PAD):  # every slot the sentinel first, then the pairs over it
+        tl.store(sorted_ptr + b0 + i, pairs, mask=b0 + i < bound)
+    tl.debug_barrier()
+    slot = start + rank
+    tl.store(sorted_ptr + slot, i, mask=valid)
+    tl.store(group_ptr + slot // BLOCK_M, e, mask=valid)  # the pairs of one block all write its group
+    tl.store(padded_ptr, total)
+
+
+def align_pairs(chosen: torch.Tensor, experts: int, with_shared: bool, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align() of the routed choices (T, k) plus, with_shared, group `experts` as every row's last choice: one
+    program for a few pairs (decode), the torch ops beyond. Block groups past `padded` are left undefined."""
+    T, k = chosen.shape
+    pairs, groups = T * (k + with_shared), experts + with_shared
+    if pairs > SMALL_PAIRS:
+        every = torch.cat([chosen, chosen.new_full((T, 1), experts)], dim=1) if with_shared else chosen
+        return align(every, groups, block_m)
+    bound = _bound(pairs, groups, block_m)
+    sorted_pairs = torch.empty(bound, dtype=torch.int32, device=chosen.device)
+    block_group = torch.empty(bound // block_m, dtype=torch.int32, device=chosen.device)
+    padded = torch.empty(1, dtype=torch.int32, device=chosen.device)
+    _align_small_kernel[(1,)](
+        chosen.contiguous(), sorted_pairs, block_group, padded, pairs, bound, K=k, SHARED=with_shared,
+        N_EXPERTS=experts, BLOCK_M=block_m, P_PAD=max(16, triton.next_power_of_2(pairs)), num_warps=8,
+    )
+    return sorted_pairs, block_group, padded
 
 
 @triton.jit
@@ -125,7 +187,7 @@ def _up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, ws_ptr, y_ptr, weight_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, D, I,
-    SHARED: tl.constexpr, N_EXPERTS: tl.constexpr,
+    K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -149,7 +211,9 @@ def _down_kernel(
         ht = tl.load(h_ptr + pair[:, None] * I + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
         wt = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
         acc += tl.dot(ht, tl.trans(wt), input_precision=PRECISION)
-    weight = tl.load(weight_ptr + pair, mask=pmask, other=0.0)  # float32 routing weight of the pair
+    K1: tl.constexpr = K + SHARED
+    t, j = pair // K1, pair % K1
+    weight = tl.load(weight_ptr + t * K + j, mask=pmask & (j < K), other=1.0)  # float32; 1 for the shared expert
     y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
     tl.store(y_ptr + pair[:, None] * D + n[None, :], y, mask=pmask[:, None] & nmask[None, :])
 
@@ -165,17 +229,16 @@ def fused_moe(
     E, I2, _ = w13.shape
     I = I2 // 2
     assert w13.shape[2] == D and w2.shape == (E, D, I) and x.dtype == w13.dtype == w2.dtype
-    if shared is not None:
+    with_shared = shared is not None
+    if with_shared:
         assert shared[0].shape == (I2, D) and shared[1].shape == (D, I)
-        # the shared expert as group E: one more choice per row, weight 1
-        chosen = torch.cat([chosen, chosen.new_full((T, 1), E)], dim=1)
-        weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
     k = chosen.shape[1]
-    pairs, groups = T * k, E + (shared is not None)
+    k1 = k + with_shared  # the shared expert is group E, one more choice per row (weight 1)
+    pairs, groups = T * k1, E + with_shared
     if T == 0:
         return torch.zeros_like(x)
     cfg = cfg or config(pairs, groups)
-    sorted_pairs, block_group, padded = align(chosen, groups, cfg.block_m)
+    sorted_pairs, block_group, padded = align_pairs(chosen, E, with_shared, cfg.block_m)
     blocks = block_group.numel()
     x = x.contiguous()
     s13, s2 = shared if shared is not None else (w13, w2)  # unread stand-ins when there is no shared expert
@@ -183,15 +246,15 @@ def fused_moe(
     h = torch.empty(pairs, I, dtype=x.dtype, device=x.device)
     _up_kernel[(blocks, triton.cdiv(I, cfg.block_n_up))](
         x, w13, s13, h, sorted_pairs, block_group, padded, pairs, I, D, float(limit),
-        TOP_K=k, SHARED=shared is not None, N_EXPERTS=E,
+        TOP_K=k1, SHARED=with_shared, N_EXPERTS=E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     y = torch.empty(pairs, D, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(D, cfg.block_n_down))](
         h, w2, s2, y, weights.contiguous().float(), sorted_pairs, block_group, padded, pairs, D, I,
-        SHARED=shared is not None, N_EXPERTS=E,
+        K=k, SHARED=with_shared, N_EXPERTS=E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return y.view(T, k, D).sum(1).to(x.dtype)
+    return y.view(T, k1, D).sum(1).to(x.dtype)
