@@ -30,7 +30,7 @@ def weights() -> tuple[Experts, Experts]:
 
 def _inputs(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = 2 * torch.randn(T, D, device="cuda", generator=g)  # some gate / up values past the limit
+    x = 6 * torch.randn(T, D, device="cuda", generator=g)  # gate / up ~ N(0, 36): ~10 % past the limit
     scores = torch.rand(T, E, device="cuda", generator=g)
     scores[:, E // 2 :] -= 1  # half the experts are hit by no row
     weights, chosen = scores.topk(K, dim=-1)
@@ -67,7 +67,8 @@ def test_flash_shape_against_torch(weights, T: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=0.05 * float(want32.abs().max()), rtol=0.05)
 
 
-def test_no_host_sync_and_graph_capture(weights) -> None:
+@pytest.mark.parametrize("T", [8, 64])  # the one-program align and the torch ops' align
+def test_no_host_sync_and_graph_capture(weights, T: int) -> None:
     """The path from routing to output syncs with the host nowhere, so one CUDA graph per batch size replays
     it for any routing."""
     from shared.engine.kernels.moe import fused_moe
@@ -75,7 +76,6 @@ def test_no_host_sync_and_graph_capture(weights) -> None:
     routed32, shared32 = weights
     routed = Experts(routed32.w13[:32].to(torch.bfloat16), routed32.w2[:32].to(torch.bfloat16))
     shared = (shared32.w13[0].to(torch.bfloat16), shared32.w2[0].to(torch.bfloat16))
-    T = 8
     x, chosen, w = _inputs(T, seed=1)
     x, chosen = x.to(torch.bfloat16), chosen % 32
 

@@ -3,7 +3,7 @@ with no host read-back (so CUDA graphs can capture it) and the expert weights re
 
 The steps (vLLM's and SGLang's fused_moe have the same shape; this is our own, for DeepSeek-V4's experts):
 
-  align (torch, on the device)  the T k pairs p = t k + j (row t's j-th choice) sorted by expert; each
+  align (on the device)         the T k pairs p = t k + j (row t's j-th choice) sorted by expert; each
                                 expert's group padded to BLOCK_M with the sentinel T k, so one block of
                                 BLOCK_M slots belongs to one expert:
 
@@ -13,15 +13,19 @@ The steps (vLLM's and SGLang's fused_moe have the same shape; this is our own, f
 
                                 The grid is sized by the bound T k + min(E, T k)(BLOCK_M - 1), known from
                                 the shapes alone: no sync, the same launch for every routing of T rows.
+                                Up to SMALL_PAIRS pairs (decode) one program does it; beyond, ~12 torch ops.
   up    (one launch)            h[p] = silu(min(g, limit)) * clamp(u, -limit, limit) with g | u = x[p // k]
                                 times the gate | up rows of w13[e] (E, 2 I, D): program (block, n) computes
                                 the gate and the up tile of the same columns n, so the SwiGLU is its epilogue.
   down  (one launch)            y[p] = weight[p] * (h[p] @ w2[e]^T), w2 (E, D, I), float32 (T k, D)
   combine                       out[t] = sum_j y[t k + j], in float32 (deterministic, unlike atomic adds)
 
-The shared expert rides along as group E: one more choice per row (weight 1), so it is read in the same
-launches and summed by the same combine (at batch 1 a separate dense SwiGLU would be 3 more launches around
-7 % of the layer's MoE bytes; fused, it is one more block per launch).
+The shared expert rides along as group E: one more choice per row (weight 1, implied by the kernels: nothing
+is concatenated), so it is read in the same launches and summed by the same combine. Why fused rather than
+overlapped on a second stream: at decode it is 1/7 of the MoE's bytes (50 MB of 352 MB at batch 1), and
+alone it would be 3 more launches (up GEMM, SwiGLU, down GEMM) plus an add, ~4 x 3-5 us of launch/tail gaps
+against its 12 us of bytes; fused, it is one more 16-slot block in each launch, read at the same bandwidth.
+A second stream buys nothing when both halves are bandwidth-bound on the same HBM, and complicates capture.
 
 At decode (a few rows) each touched expert's matrices are read once by one block of 16 slots (tl.dot needs 16
 rows; the padding costs FLOPs, which are free there, not bytes), spread over many programs along N. Rounding
@@ -137,9 +141,10 @@ def align_pairs(chosen: torch.Tensor, experts: int, with_shared: bool, block_m: 
     sorted_pairs = torch.empty(bound, dtype=torch.int32, device=chosen.device)
     block_group = torch.empty(bound // block_m, dtype=torch.int32, device=chosen.device)
     padded = torch.empty(1, dtype=torch.int32, device=chosen.device)
+    p_pad = max(16, triton.next_power_of_2(pairs))  # (p_pad, p_pad) comparisons: 64K at batch 32
     _align_small_kernel[(1,)](
         chosen.contiguous(), sorted_pairs, block_group, padded, pairs, bound, K=k, SHARED=with_shared,
-        N_EXPERTS=experts, BLOCK_M=block_m, P_PAD=max(16, triton.next_power_of_2(pairs)), num_warps=8,
+        N_EXPERTS=experts, BLOCK_M=block_m, P_PAD=p_pad, num_warps=4 if p_pad <= 64 else 16,
     )
     return sorted_pairs, block_group, padded
 
