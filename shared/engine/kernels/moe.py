@@ -17,8 +17,10 @@ The steps (vLLM's and SGLang's fused_moe have the same shape; this is our own, f
   up    (one launch)            h[p] = silu(min(g, limit)) * clamp(u, -limit, limit) with g | u = x[p // k]
                                 times the gate | up rows of w13[e] (E, 2 I, D): program (block, n) computes
                                 the gate and the up tile of the same columns n, so the SwiGLU is its epilogue.
-  down  (one launch)            y[p] = weight[p] * (h[p] @ w2[e]^T), w2 (E, D, I), float32 (T k, D)
-  combine                       out[t] = sum_j y[t k + j], in float32 (deterministic, unlike atomic adds)
+  down  (one launch)            y[p] = weight[p] * (h[p] @ w2[e]^T), w2 (E, D, I), y (T k, D) in x's dtype
+  combine                       out[t] = sum_j y[t k + j], summed in float32 (deterministic, unlike atomic
+                                adds; y in bf16 is the torch path's rounding and half the bytes: 0.9 GB at
+                                a 16K-token chunk)
 
 The shared expert rides along as group E: one more choice per row (weight 1, implied by the kernels: nothing
 is concatenated), so it is read in the same launches and summed by the same combine. Why fused rather than
@@ -220,7 +222,7 @@ def _down_kernel(
     t, j = pair // K1, pair % K1
     weight = tl.load(weight_ptr + t * K + j, mask=pmask & (j < K), other=1.0)  # float32; 1 for the shared expert
     y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-    tl.store(y_ptr + pair[:, None] * D + n[None, :], y, mask=pmask[:, None] & nmask[None, :])
+    tl.store(y_ptr + pair[:, None] * D + n[None, :], y.to(y_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
 
 
 def fused_moe(
@@ -255,11 +257,11 @@ def fused_moe(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    y = torch.empty(pairs, D, dtype=torch.float32, device=x.device)
+    y = torch.empty(pairs, D, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(D, cfg.block_n_down))](
         h, w2, s2, y, weights.contiguous().float(), sorted_pairs, block_group, padded, pairs, D, I,
         K=k, SHARED=with_shared, N_EXPERTS=E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return y.view(T, k1, D).sum(1).to(x.dtype)
+    return y.view(T, k1, D).sum(1, dtype=torch.float32).to(x.dtype)
