@@ -42,7 +42,7 @@ def _reference(routed: Experts, shared: Experts, x, chosen, weights) -> torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [1, 3, 8, 32, 128, 1024])
+@pytest.mark.parametrize("T", [1, 3, 8, 32, 128, 1024, 4096])  # the three tile configs
 def test_flash_shape_against_torch(weights, T: int, dtype: torch.dtype) -> None:
     from shared.engine.kernels.moe import fused_moe
 
