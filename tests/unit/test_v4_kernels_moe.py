@@ -81,7 +81,7 @@ def _reference(x, chosen, weights, routed, shared):
     return out if shared is None else out + shared_expert(shared, x, LIMIT)
 
 
-@pytest.mark.parametrize("T", [1, 3, 17, 64, 100])  # 100: past SMALL_PAIRS, the torch align
+@pytest.mark.parametrize("T", [1, 3, 17, 64, 70])  # 70 x (3 + 1) pairs: past SMALL_PAIRS, the torch align
 @pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "routed-only"])
 def test_fused_matches_torch(T: int, with_shared: bool) -> None:
     E, D, I, k = 8, 48, 40, 3
@@ -92,7 +92,7 @@ def test_fused_matches_torch(T: int, with_shared: bool) -> None:
     assert bool((pre[..., :I] > LIMIT).any()) and bool((pre[..., I:].abs() > LIMIT).any())  # the clamps bite
     sh = (shared.w13[0], shared.w2[0]) if with_shared else None
     want = _reference(x, chosen, weights, routed, shared if with_shared else None)
-    for cfg in (None, SMALL):
+    for cfg in (None, SMALL) if T in (3, 17) else (None,):
         got = fused_moe(x, chosen, weights, routed.w13, routed.w2, LIMIT, sh, cfg)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -124,7 +124,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("T", [1, 17])
 def test_moe_layers_of_a_checkpoint(checkpoint: Path, T: int) -> None:
     model = Engine(str(checkpoint), kv_blocks=8).model
     s = model.spec
