@@ -92,7 +92,7 @@ def test_fused_matches_torch(T: int, with_shared: bool) -> None:
     assert bool((pre[..., :I] > LIMIT).any()) and bool((pre[..., I:].abs() > LIMIT).any())  # the clamps bite
     sh = (shared.w13[0], shared.w2[0]) if with_shared else None
     want = _reference(x, chosen, weights, routed, shared if with_shared else None)
-    for cfg in (None, SMALL) if T in (3, 17) else (None,):
+    for cfg in (None, SMALL, config(10**6, 1)) if T in (3, 17) else (None,):  # + the long-prefill tiles
         got = fused_moe(x, chosen, weights, routed.w13, routed.w2, LIMIT, sh, cfg)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
