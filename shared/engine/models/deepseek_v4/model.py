@@ -76,7 +76,7 @@ class DeepseekV4:
             out = self.attention(i, layer, rms(h, layer.attn_norm, s.rms_eps), positions, angles, meta, states, kv)
             streams = hc_post(out, post, comb, streams)
             post, comb, h = hc_pre(s, streams, layer.hc_ffn, self.triton)
-            out = moe(s, layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids)
+            out = moe(s, layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids, self.triton)
             streams = hc_post(out, post, comb, streams)
         for span, state in zip(meta.spans, states):
             state.length = span.context_len

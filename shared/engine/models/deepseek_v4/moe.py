@@ -1,13 +1,20 @@
 """DeepSeek-V4's mixture of experts: routing (sqrt-softplus / sigmoid / softmax scores, top-k with a selection
-bias, or hash routing by token id on the first layers), the routed experts (clamped SwiGLU) and the shared one."""
+bias, or hash routing by token id on the first layers), the routed experts (clamped SwiGLU) and the shared one.
+
+With `triton` (the model runs its Triton kernels: CUDA) the experts and the shared one are one fused grouped
+GEMM pair for any batch size (kernels/moe.py); the torch code below is the CPU path and the reference."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from shared.engine.kernels import HAVE_TRITON
 from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import Experts, Layer
+
+if HAVE_TRITON:
+    from shared.engine.kernels.moe import fused_moe
 
 GATHER_MAX_PAIRS = 32  # (row, expert) pairs up to which the experts' weights are gathered (decode, batch <= 5)
 
@@ -31,11 +38,25 @@ def route(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Ten
     return chosen, weights / (weights.sum(-1, keepdim=True) + 1e-20) * s.routed_scale
 
 
-def moe(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def moe(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor, triton: bool = False
+        ) -> torch.Tensor:
     chosen, weights = route(s, layer, x, input_ids)
+    if triton:
+        return fused(s, layer, x, chosen, weights)
     out = experts(layer.experts, x, chosen, weights, s.swiglu_limit)
     if layer.shared is not None:
         out = out + shared_expert(layer.shared, x, s.swiglu_limit)
+    return out
+
+
+def fused(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+          ) -> torch.Tensor:
+    """The Triton path: routed experts and (when it has their width) the shared expert in the same launches."""
+    ex, sh = layer.experts, layer.shared
+    rides = sh is not None and sh.w13.shape[1:] == ex.w13.shape[1:]
+    out = fused_moe(x, chosen, weights, ex.w13, ex.w2, s.swiglu_limit, (sh.w13[0], sh.w2[0]) if rides else None)
+    if sh is not None and not rides:  # several shared experts stacked into one wider SwiGLU
+        out = out + shared_expert(sh, x, s.swiglu_limit)
     return out
 
 

@@ -78,4 +78,4 @@ def block(model: DeepseekV4, kv: V4Cache, request_id: str, h: torch.Tensor, toke
     out = model.attention(i, layer, rms(x, layer.attn_norm, s.rms_eps), positions, angles, meta, [state], kv)
     streams = hc_post(out, post, comb, streams)
     post, comb, x = hc_pre(s, streams, layer.hc_ffn, model.triton)
-    return hc_post(moe(s, layer, rms(x, layer.ffn_norm, s.rms_eps), tokens), post, comb, streams)
+    return hc_post(moe(s, layer, rms(x, layer.ffn_norm, s.rms_eps), tokens, model.triton), post, comb, streams)
