@@ -51,7 +51,9 @@ def is_decode(meta: AttentionMetadata, rows: int) -> bool:
 def batch_of(meta: AttentionMetadata, states: list[RequestState], positions: torch.Tensor) -> DecodeBatch:
     device = positions.device
     table = pad_sequence([span.block_table.long() for span in meta.spans], batch_first=True)
-    host = torch.tensor([[st.slot, st.begin, st.frozen] for st in states], dtype=torch.long).to(device)
+    pinned = device.type == "cuda"  # an asynchronous copy: no wait on the stream
+    host = torch.tensor([[st.slot, st.begin, st.frozen] for st in states], dtype=torch.long, pin_memory=pinned)
+    host = host.to(device, non_blocking=pinned)
     slots, begins, frozen = (col.contiguous() for col in host.unbind(1))  # kernels index them flat
     return DecodeBatch(slots, positions.long(), begins, frozen, table.to(device), max(span.context_len for span in meta.spans))
 
