@@ -11,7 +11,7 @@ rotated: the caller undoes V's rotation at the query's position.
 
 Flash-decoding: the key axis (window padded to WPAD, then the compressed entries) is cut into partitions of
 PART keys; program (s, head tile, part) writes a partial (max, sum, acc) and a second kernel merges them with the
-sink. A tile of BLOCK_N keys is all window or all compressed (WPAD and PART are multiples of BLOCK_N). Softmax
+sink. A tile of BLOCK_N keys is all window or all compressed (WPAD and PART are multiples of BLOCK_N): two loops. Softmax
 runs in float32 whatever the cache dtype.
 """
 
@@ -30,6 +30,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _fold(q, k, valid, m, l, acc, scale, PRECISION: tl.constexpr):
+    """One tile of keys (K = V) into the running softmax of the head rows."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key yet (begin > 0)
+    alpha = tl.exp(m - m_safe)
+    pr = tl.exp(scores - m_safe[:, None])
+    l = l * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(k.dtype), k, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr, swa_ptr, ent_ptr, bt_ptr, slot_ptr, pos_ptr, begin_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr,
     scale, cap, num_ids, num_parts,
@@ -44,9 +58,9 @@ def _partial_kernel(
     p = tl.load(pos_ptr + s)
     begin = tl.load(begin_ptr + s)
     slot = tl.load(slot_ptr + s).to(tl.int64)
-    if MODE == HCA:
+    if MODE == 1:  # HCA (module globals are not visible in a jit function)
         total = WPAD + (p + 1) // RATIO
-    elif MODE == CSA:
+    elif MODE == 2:  # CSA
         total = WPAD + num_ids
     else:
         total = WPAD + p * 0
@@ -60,36 +74,28 @@ def _partial_kernel(
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
         end = tl.minimum(start + PART, total)
-        for n0 in range(start, end, BLOCK_N):
+        # two loops, no branch inside: each can be software-pipelined
+        for n0 in range(start, tl.minimum(end, WPAD), BLOCK_N):  # window keys: positions p - WIN + 1 + t
             t = n0 + tl.arange(0, BLOCK_N)
-            if n0 < WPAD:  # window keys: ring slots of positions p - WIN + 1 + t
-                kp = p - WIN + 1 + t
-                valid = (t < WIN) & (kp >= begin) & (kp >= 0)
-                row = tl.where(kp >= 0, kp, 0) % cap
-                off = slot * stride_ws + row.to(tl.int64) * stride_wc
-                k = tl.load(swa_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            else:  # compressed entries through the block table
-                c = t - WPAD
-                valid = t < end
-                if MODE == CSA:
-                    e = tl.load(ids_ptr + s * stride_ids + c, mask=valid, other=-1)
-                    valid = valid & (e >= 0)
-                    e = tl.maximum(e, 0)
-                else:
-                    e = c
-                tok = e * RATIO
-                blk = tl.load(bt_ptr + s * stride_bt + tok // BT, mask=valid, other=0).to(tl.int64)
-                off = blk * stride_e0 + ((tok % BT) // RATIO).to(tl.int64) * stride_e1
-                k = tl.load(ent_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key yet (begin > 0)
-            alpha = tl.exp(m - m_safe)
-            pr = tl.exp(scores - m_safe[:, None])
-            l = l * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(k.dtype), k, input_precision=PRECISION)  # K = V
-            m = m_new
+            kp = p - WIN + 1 + t
+            valid = (t < WIN) & (kp >= begin) & (kp >= 0)
+            off = slot * stride_ws + (tl.where(kp >= 0, kp, 0) % cap).to(tl.int64) * stride_wc
+            k = tl.load(swa_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
+        for n0 in range(tl.maximum(start, WPAD), end, BLOCK_N):  # compressed entries through the block table
+            t = n0 + tl.arange(0, BLOCK_N)
+            valid = t < end
+            if MODE == 2:  # CSA: the indexer's ids
+                e = tl.load(ids_ptr + s * stride_ids + (t - WPAD), mask=valid, other=-1)
+                valid = valid & (e >= 0)
+                e = tl.maximum(e, 0)
+            else:
+                e = t - WPAD
+            tok = e * RATIO
+            blk = tl.load(bt_ptr + s * stride_bt + tok // BT, mask=valid, other=0).to(tl.int64)
+            off = blk * stride_e0 + ((tok % BT) // RATIO).to(tl.int64) * stride_e1
+            k = tl.load(ent_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
         row_id = (s * H + h) * num_parts + part  # scratch layout (S, H, P[, D])
         tl.store(m_ptr + row_id, m, mask=hmask)
         tl.store(l_ptr + row_id, l, mask=hmask)
@@ -131,7 +137,7 @@ def decode_attention(
     q: torch.Tensor, swa: torch.Tensor, entries: torch.Tensor | None, table: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, begins: torch.Tensor, ids: torch.Tensor | None, sinks: torch.Tensor, scale: float,
     window: int, ratio: int, block_tokens: int, max_entries: int, block_h: int = 16, block_n: int = 32,
-    part: int | None = None,
+    part: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """q (S, H, D) one row per sequence; swa (slots, cap, D) this layer's ring pool, this step's keys written;
     entries (num_blocks, BT / ratio, D) or None (sliding layer); table (S, NB) int; slots, positions, begins (S,)
@@ -159,7 +165,7 @@ def decode_attention(
         q.stride(0), q.stride(1), swa.stride(0), swa.stride(1), ent.stride(0), ent.stride(1), table.stride(0),
         idx.stride(0) if ids is not None else 0,
         H=H, BLOCK_H=block_h, D=D, WIN=window, WPAD=wpad, RATIO=max(ratio, 1), BT=block_tokens, MODE=mode,
-        PART=part, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
+        PART=part, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
     )
     out = torch.empty((S, H, D), dtype=q.dtype, device=q.device)
     _merge_kernel[(S, H)](out, sinks, m, l, acc, out.stride(0), out.stride(1), num_parts, D=D)
