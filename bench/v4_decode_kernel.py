@@ -68,7 +68,8 @@ def main() -> None:
 
                 us = time_us(run)
                 floor = bytes_ / BW * 1e6
-                print(f"| {kind} | {S} | {ctx} | {us:.1f} | {bytes_ / 1e6:.2f} | {floor:.2f} | {100 * floor / us:.0f} |")
+                print(f"| {kind} | {S} | {ctx} | {us:.1f} | {bytes_ / 1e6:.2f} | {floor:.2f} "
+                      f"| {100 * floor / us:.0f} |")
 
 
 if __name__ == "__main__":

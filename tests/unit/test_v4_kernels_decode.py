@@ -170,8 +170,9 @@ def test_indexer_chooses_the_loops_entries(step) -> None:
 def test_model_decodes_with_the_kernels_forced_on(tmp_path: Path) -> None:
     """The whole tiny model, five rows of a decode batch over four steps: logits of the batched path with its
     Triton kernel forced on equal the torch path's (the mHC kernels stay off: the interpreter is slow, and
-    test_v4_parity runs them with this path through the engine). index_topk covers every entry here: with fewer, exact ties of the
-    indexer's ReLU scores (0) may break either way between the paths (the selection is tested above)."""
+    test_v4_parity runs them with this path through the engine). index_topk covers every entry here: with fewer,
+    exact ties of the indexer's ReLU scores (0) may break either way between the paths (the selection is tested
+    above)."""
     v4_checkpoints.build(tmp_path, "mixed")
     got = {}
     for kernels in ("torch", "triton"):

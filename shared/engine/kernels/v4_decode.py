@@ -11,8 +11,8 @@ rotated: the caller undoes V's rotation at the query's position.
 
 Flash-decoding: the key axis (window padded to WPAD, then the compressed entries) is cut into partitions of
 PART keys; program (s, head tile, part) writes a partial (max, sum, acc) and a second kernel merges them with the
-sink. A tile of BLOCK_N keys is all window or all compressed (WPAD and PART are multiples of BLOCK_N): two loops. Softmax
-runs in float32 whatever the cache dtype.
+sink. A tile of BLOCK_N keys is all window or all compressed (WPAD and PART are multiples of BLOCK_N): two loops.
+Softmax runs in float32 whatever the cache dtype.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def batch_of(meta: AttentionMetadata, states: list[RequestState], positions: tor
     host = torch.tensor([[st.slot, st.begin, st.frozen] for st in states], dtype=torch.long, pin_memory=pinned)
     host = host.to(device, non_blocking=pinned)
     slots, begins, frozen = (col.contiguous() for col in host.unbind(1))  # kernels index them flat
-    return DecodeBatch(slots, positions.long(), begins, frozen, table.to(device), max(span.context_len for span in meta.spans))
+    max_context = max(span.context_len for span in meta.spans)
+    return DecodeBatch(slots, positions.long(), begins, frozen, table.to(device), max_context)
 
 
 def write_ring(pool: torch.Tensor, b: DecodeBatch, new: torch.Tensor) -> None:
