@@ -168,7 +168,7 @@ def test_indexer_chooses_the_loops_entries(step) -> None:
 
 
 def test_model_decodes_with_the_kernels_forced_on(tmp_path: Path) -> None:
-    """The whole tiny model, five rows of a decode batch over four steps: logits of the batched path with its
+    """The whole tiny model, five rows of a decode batch over three steps: logits of the batched path with its
     Triton kernel forced on equal the torch path's (the mHC kernels stay off: the interpreter is slow, and
     test_v4_parity runs them with this path through the engine). index_topk covers every entry here: with fewer,
     exact ties of the indexer's ReLU scores (0) may break either way between the paths (the selection is tested
@@ -180,7 +180,7 @@ def test_model_decodes_with_the_kernels_forced_on(tmp_path: Path) -> None:
         st.model.attention.batched = st.model.attention.triton = kernels == "triton"
         rows = st.setup()
         steps = []
-        for k in range(4):
+        for k in range(3):
             meta, positions = st.meta([(rid, p + k) for rid, p in rows])
             ids = _ids(len(rows), seed=10 + k)
             steps.append(st.model.logits(st.model.forward(ids, positions, meta, st.kv)))
