@@ -102,7 +102,7 @@ class Engine:
                                                                                   gpu_memory_utilization)
         # a model with its own long-term layout (V4) makes its cache; Llama's K/V pages are the default
         make_cache = getattr(self.model, "make_cache", None)
-        self.kv = make_cache(num_blocks) if make_cache else KVCache(spec, num_blocks, self.device)
+        self.kv = make_cache(num_blocks, max_running) if make_cache else KVCache(spec, num_blocks, self.device)
         self.block_bytes = self.kv.block_bytes
         self.blocks = BlockManager(num_blocks, self.block_tokens)
         self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), max_batch_tokens, max_running,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata, SeqSpan
 from shared.engine.kernels import HAVE_TRITON
+from shared.engine.models.deepseek_v4 import decode
 from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
 from shared.engine.models.deepseek_v4.mhc import rms
 from shared.engine.models.deepseek_v4.rope import Rotary, rotate
@@ -35,8 +36,11 @@ Angles = dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" -> 
 
 class Attention:
     def __init__(self, spec: DeepseekV4Spec, device: torch.device, triton: bool = False) -> None:
+        """triton: decode steps take the batched path (decode.py) with its Triton attention kernel."""
         self.spec = spec
+        self.batched = triton  # decode steps through decode.py (its torch attention when not self.triton)
         self.triton = triton
+        self._decode: tuple[AttentionMetadata, decode.DecodeBatch] | None = None  # this forward's, for every layer
         rd = spec.rope_head_dim
         self.rope_main = Rotary(rd, spec.rope_theta, None, device)
         self.rope_compress = Rotary(rd, spec.compress_rope_theta, spec.compress_rope_scaling, device)
@@ -65,6 +69,11 @@ class Attention:
             cq, sq = angles["compress"]
             iq = rotate(F.linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
             idx = (F.linear(x, ic.wkv), F.linear(x, ic.wgate), iq, F.linear(x, ix.weights_proj))
+        if self.batched and kv.cap_swa >= s.window and decode.is_decode(meta, T):
+            if self._decode is None or self._decode[0] is not meta:
+                self._decode = (meta, decode.batch_of(meta, states, positions))
+            out = decode.attend(self, i, layer, self._decode[1], kv, q, k, comp, idx, self.triton)
+            return self.output(layer, rotate(out, cos, -sin))
         out = torch.empty_like(q)
         for span, state in zip(meta.spans, states):
             rows = slice(span.q_start, span.q_start + span.q_len)

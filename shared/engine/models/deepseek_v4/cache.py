@@ -19,6 +19,12 @@ draft, the overlapped scheduler's one-token lag) by moving `length` back: nothin
 re-computation needs. Which entries a query sees follows from its position alone ((p + 1) // m closed windows),
 so an entry built from a taken-back token is simply never read before it is rebuilt.
 
+Pooled. Every ring is one row of a per-layer pool, (slots, cap, width), and a RequestState holds its slot and views
+of that row: the per-sequence path reads and writes the views, a batched decode step indexes the pools with the
+batch's slot ids (decode.py). There are `slots` rows, sized by the engine to max_running plus as many again for
+requests held after they finish (their state waits for export until release); a request that finds none free
+fails with a clear error rather than overwriting another's.
+
 Bounded replay. A request that finds its prefix's blocks but not its short-term state recomputes only the last
 `replay_tokens` tokens before the restored prefix end C, with the entries of [0, C) frozen (never rewritten).
 A layer-l key of token p depends on tokens (p - l (W - 1) - ..., p]: the sliding windows of the layers below
@@ -42,6 +48,7 @@ class RequestState:
     """One request's short-term state; `length` tokens processed, rings valid for positions >= `begin`."""
 
     length: int
+    slot: int  # its row of the cache's pools; swa, comp, index and pending are views of that row
     begin: int  # positions before this were never computed here (bounded replay starts here)
     frozen: int  # entries of windows ending at or before this position are restored: never rewritten
     swa: list[torch.Tensor]  # per layer (cap_swa, head_dim), then the MTP layer's if the model drafts
@@ -62,9 +69,9 @@ class RequestState:
 
 class V4Cache:
     def __init__(self, spec: DeepseekV4Spec, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 backtrack: int = 4, mtp: bool = False) -> None:
+                 backtrack: int = 4, mtp: bool = False, slots: int = 8) -> None:
         """backtrack: tokens that can be taken back (speculative drafts rejected); mtp: keep the MTP layer's
-        ring and pending streams too."""
+        ring and pending streams too; slots: requests whose short-term state can be live at once."""
         self.spec = spec
         self.mtp = mtp
         self.num_blocks = num_blocks
@@ -84,6 +91,27 @@ class V4Cache:
         self._paged = [t for pair in zip(self.entries, self.index_keys) for t in pair if t is not None]
         self.states: dict[str, RequestState] = {}
         self._pending: dict[str, bytes] = {}  # imported short-term state, installed at admission
+        self._pools(slots)
+
+    def _pools(self, slots: int) -> None:
+        s, dev, dt = self.spec, self.device, self.dtype
+        self.slots = slots
+        self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+        def pair(layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+            cap = self.comp_capacity(layer)
+            return (torch.zeros(slots, cap, width, dtype=dt, device=dev),
+                    torch.zeros(slots, cap, width, dtype=dt, device=dev))
+
+        rings = s.num_layers + (1 if self.mtp else 0)
+        self.swa_pool = [torch.zeros(slots, self.cap_swa, s.head_dim, dtype=dt, device=dev) for _ in range(rings)]
+        self.comp_pool: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.index_pool: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer, kind in enumerate(s.kinds):
+            csa = kind == CSA
+            self.comp_pool.append(pair(layer, (2 if csa else 1) * s.head_dim) if s.ratios[layer] else None)
+            self.index_pool.append(pair(layer, 2 * s.index_head_dim) if csa else None)
+        self.pending_pool = torch.zeros(slots, s.hc_mult, s.hidden_size, dtype=dt, device=dev) if self.mtp else None
 
     # --- sizes ------------------------------------------------------------------------------------------------
 
@@ -93,7 +121,17 @@ class V4Cache:
 
     @property
     def state_bytes(self) -> int:
-        return HEADER + sum(t.numel() for t in self._fresh(0, 0, 0).tensors()) * self.dtype.itemsize
+        """One request's exported state: the header and its row of every pool."""
+        pools = list(self.swa_pool) + ([] if self.pending_pool is None else [self.pending_pool])
+        for pair in (*self.comp_pool, *self.index_pool):
+            if pair is not None:
+                pools += pair
+        return HEADER + sum(t.shape[1:].numel() for t in pools) * self.dtype.itemsize
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory of the per-request pools (allocated up front: count it with the KV pool)."""
+        return self.slots * (self.state_bytes - HEADER)
 
     @property
     def replay_tokens(self) -> int:
@@ -108,12 +146,13 @@ class V4Cache:
     def begin(self, request_id: str, restored: int) -> int:
         """A request is admitted with `restored` tokens' blocks in its table (a multiple of block_tokens, or
         its imported prefix); returns the position to compute from."""
+        old = self.states.pop(request_id, None)  # a preempted request resumes: its old state is recomputed
+        if old is not None:
+            self._free.append(old.slot)
         blob = self._pending.get(request_id)  # kept until drop_state: an admission that fails comes back
-        if blob is not None:
-            state = self._decode(blob)
-            if state.length == restored:
-                self.states[request_id] = state
-                return restored
+        if blob is not None and int(np.frombuffer(blob[:8], dtype=np.int64)[0]) == restored:
+            self.states[request_id] = self._decode(blob)
+            return restored
         start = max(0, restored - self.replay_tokens) if restored else 0
         self.states[request_id] = self._fresh(start, start, restored)
         return start
@@ -127,7 +166,9 @@ class V4Cache:
         return state
 
     def drop_state(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self._free.append(state.slot)
         self._pending.pop(request_id, None)
 
     # --- long-term blocks as bytes ----------------------------------------------------------------------------
@@ -183,19 +224,16 @@ class V4Cache:
         return state
 
     def _fresh(self, length: int, begin: int, frozen: int) -> RequestState:
-        s, dev, dt = self.spec, self.device, self.dtype
-
-        def ring(layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-            cap = self.comp_capacity(layer)
-            return torch.zeros(cap, width, dtype=dt, device=dev), torch.zeros(cap, width, dtype=dt, device=dev)
-
-        comp: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        index: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for layer, kind in enumerate(s.kinds):
-            csa = kind == CSA
-            comp.append(ring(layer, (2 if csa else 1) * s.head_dim) if s.ratios[layer] else None)
-            index.append(ring(layer, 2 * s.index_head_dim) if csa else None)
-        rings = s.num_layers + (1 if self.mtp else 0)
-        swa = [torch.zeros(self.cap_swa, s.head_dim, dtype=dt, device=dev) for _ in range(rings)]
-        pending = torch.zeros(s.hc_mult, s.hidden_size, dtype=dt, device=dev) if self.mtp else None
-        return RequestState(length, begin, frozen, swa, comp, index, mtp_length=begin, pending=pending)
+        """A zeroed state in a free slot (the caller puts it in `states`, drop_state frees the slot)."""
+        if not self._free:
+            raise RuntimeError(f"DeepSeek-V4 per-request state: all {self.slots} slots are in use (running and "
+                               "held requests); release held requests or size the pool for more")
+        slot = self._free.pop()
+        swa = [pool[slot] for pool in self.swa_pool]
+        comp = [None if p is None else (p[0][slot], p[1][slot]) for p in self.comp_pool]
+        index = [None if p is None else (p[0][slot], p[1][slot]) for p in self.index_pool]
+        pending = None if self.pending_pool is None else self.pending_pool[slot]
+        state = RequestState(length, slot, begin, frozen, swa, comp, index, mtp_length=begin, pending=pending)
+        for t in state.tensors():
+            t.zero_()
+        return state

@@ -43,16 +43,19 @@ class DeepseekV4:
         self.weights = load(spec, weights, device, dtype)
         self.layers = self.weights.layers
         self.mtp = self.weights.mtp
-        self.attention = Attention(spec, device, self.triton)
+        self.attention = Attention(spec, device, triton=self.triton)
 
     # --- the cache ----------------------------------------------------------------------------------------------
 
     def cache_spec(self, block_tokens: int, dtype: torch.dtype) -> CacheSpec:
-        probe = V4Cache(self.spec, 1, torch.device("cpu"), dtype, mtp=self.mtp is not None)
+        probe = V4Cache(self.spec, 1, torch.device("cpu"), dtype, mtp=self.mtp is not None, slots=0)
         return CacheSpec(None, probe.state_bytes, block_bytes=probe.block_bytes, block_tokens=self.block_tokens)
 
-    def make_cache(self, num_blocks: int) -> V4Cache:
-        self.cache = V4Cache(self.spec, num_blocks, self.device, self.dtype, mtp=self.mtp is not None)
+    def make_cache(self, num_blocks: int, max_running: int = 64) -> V4Cache:
+        """Per-request state slots: max_running running requests and as many again held after they finish
+        (awaiting their KV store); more than that fails clearly at admission."""
+        self.cache = V4Cache(self.spec, num_blocks, self.device, self.dtype, mtp=self.mtp is not None,
+                             slots=2 * max_running)
         return self.cache
 
     # --- forward ------------------------------------------------------------------------------------------------
