@@ -58,7 +58,7 @@ from shared.engine.engine import Engine, EngineRequest, run_to_completion  # noq
 from shared.engine.loader import LoadedModel  # noqa: E402
 from shared.engine.loader.deepseek_v4 import _expected, parse_spec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
-from shared.engine.models.deepseek_v4.spec import CSA, HCA, SLIDING, DeepseekV4Spec  # noqa: E402
+from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec  # noqa: E402
 from shared.engine.sequence import Status  # noqa: E402
 from shared.schemas.generate import SamplingParams  # noqa: E402
 
@@ -242,8 +242,8 @@ def sync() -> None:
 def ours_decode(engine: Engine, batch: int, ctx: int, steps: int) -> float:
     """Seconds per decode step of `batch` sequences at `ctx` (engine.step() after 2 warm-up steps)."""
     rids = [f"d{batch}-{ctx}-{i}" for i in range(batch)]
-    place_running(engine, rids, ctx, steps + 2)
     try:
+        place_running(engine, rids, ctx, steps + 2)
         for _ in range(2):
             engine.step()
         sync()

@@ -1,4 +1,7 @@
-"""The engine: requests in, tokens out, one step at a time (schedule -> run -> sample -> postprocess).
+"""The engine: requests in, tokens out, one step at a time (schedule -> run -> sample -> resolve).
+
+What a model can do beyond the forward (its own cache layout, MTP drafts) the engine learns from protocols.py;
+speculative verify and draft are speculative.py's.
 
 Single-threaded by design: every method is called from one thread (AsyncEngine owns it), so there are no
 locks; requests join and leave between any two steps (continuous batching).
@@ -25,6 +28,7 @@ import torch
 
 from shared import hashing
 from shared.engine import memory
+from shared.engine import speculative as spec_decode
 from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutput
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import ModelConfig
@@ -34,6 +38,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.processors import LogitsProcessors
+from shared.engine.protocols import Cache, HasOwnCache, drafter
 from shared.engine.sampler import sample, sample_on_device
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
@@ -103,7 +108,8 @@ class Engine:
         # A sequence never outgrows the context (nor the whole cache: _build_pool)
         self.context_cap = min(self.config.max_position, max_model_len or 1 << 62)
         self.speculative = speculative_tokens
-        if speculative_tokens and getattr(self.model, "mtp", None) is None:
+        self.drafter = drafter(self.model) if speculative_tokens else None
+        if speculative_tokens and self.drafter is None:
             raise ValueError(f"{loaded.name}: no MTP layer to draft speculative tokens with")
         self.processors = LogitsProcessors(self.config.vocab_size, self.device)  # repetition penalty, min_tokens
         # the CPU steps synchronously (tests may switch this on); speculative steps need their tokens at once
@@ -126,23 +132,19 @@ class Engine:
         self.max_tokens = min(self.context_cap, num_blocks * self.block_tokens)
         # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4's torch path
         # reads its per-sequence state instead
-        batched = self.ops.name == "triton" and not self._own_cache
+        batched = self.ops.name == "triton" and not isinstance(self.model, HasOwnCache)
         on_gpu = batched and self.cuda_graphs and self.device.type == "cuda"
         graphs = graph_buckets(self.max_running) if on_gpu else ()
         self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
                                   max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=self.max_running)
-        self.spec_drafted = self.spec_accepted = 0  # drafts proposed / accepted (the acceptance rate)
+        self.acceptance = spec_decode.Acceptance()
         self._inflight: _Launched | None = None
         self._steps = 0
 
-    @property
-    def _own_cache(self) -> bool:
-        return getattr(self.model, "make_cache", None) is not None
-
-    def _make_cache(self, num_blocks: int) -> KVCache:
+    def _make_cache(self, num_blocks: int) -> Cache:
         """The one place a cache is made: a model with its own long-term layout (V4) makes it; Llama's K/V
         pages are the default."""
-        if self._own_cache:
+        if isinstance(self.model, HasOwnCache):
             return self.model.make_cache(num_blocks)
         return KVCache(self.spec, num_blocks, self.device)
 
@@ -161,33 +163,30 @@ class Engine:
             if done is None:
                 return []
             self._inflight = self._launch() if self.overlap else None
-            outputs = self.scheduler.resolve(done.plan, done.result())
-            if self.speculative:
-                self._draft(done.plan)
-            for out in outputs:
-                if out.finish_reason is not None:
-                    self.processors.drop(out.request_id)
-                    if out.request_id not in self.scheduler.held:
-                        self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
+            outputs = self._resolve(done)
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)
 
     def _launch(self) -> _Launched | None:
-        """Schedule, run and sample one step without waiting for it (on a GPU), then commit it."""
+        """Schedule, run and sample one step without waiting for it (on a GPU)."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return None
         logits = self.runner.run(plan)  # (num_sampled, V)
+        return self._sample(plan, logits)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> _Launched:
+        """Sample every sampled row of the plan and commit it; tokens stay on the device until resolved."""
         # one row per sampled chunk; a chunk with drafts samples every row, at consecutive output positions
         rows = [(c, r) for c in plan.chunks if c.sample for r in range(c.num_tokens if c.drafts else 1)]
         specs = [c.seq.sampling for c, _ in rows]
         positions = [c.seq.output_position + r for c, r in rows]
         logits = self.processors.apply(logits, rows, positions)  # before commit: it reads the known tokens
         self.scheduler.commit(plan)  # after reading output positions: it advances them
-        if self.speculative:
+        if self.speculative:  # the drafts are verified at once: the next step's chunks depend on them
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
                 sample_on_device(logits, specs, positions).tolist())
-            return _Launched(plan, self._verify(plan, sampled))
+            return _Launched(plan, spec_decode.verify(plan, sampled, self.processors, self.acceptance))
         if self.device.type == "cpu":
             tokens = sample(logits, specs, positions)
             self.processors.record(tokens)
@@ -206,46 +205,19 @@ class Engine:
         event.record()
         return _Launched(plan, host, event)
 
-    def _verify(self, plan: StepPlan, sampled: list[int]) -> list[int | list[int]]:
-        """Per sampled chunk: its token, or for a chunk with drafts the drafts the model itself would have
-        produced (same sampler, same output positions: the output is what decoding without drafts gives)
-        followed by the model's own token at the first disagreement (or after the last draft)."""
-        out: list[int | list[int]] = []
-        at = 0
-        for c in plan.chunks:
-            if not c.sample:
-                continue
-            if not c.drafts:
-                out.append(sampled[at])
-                self.processors.accept(c.seq, [sampled[at]])
-                at += 1
-                continue
-            tokens = sampled[at : at + c.num_tokens]
-            at += c.num_tokens
-            keep = next((i for i, d in enumerate(c.drafts) if tokens[i] != d), len(c.drafts))
-            self.spec_drafted += len(c.drafts)
-            self.spec_accepted += keep
-            out.append(tokens[: keep + 1])
-            self.processors.accept(c.seq, tokens[: keep + 1])
-        return out
-
-    def _draft(self, plan: StepPlan) -> None:
-        """Feed the MTP layer the pairs this step made known, then draft the next tokens of every sequence
-        that decodes next."""
-        hidden = self.runner.hidden
-        assert hidden is not None
-        row = 0
-        for c in plan.chunks:
-            seq, rows = c.seq, hidden[row : row + c.num_tokens]
-            row += c.num_tokens
-            if self.scheduler.seqs.get(seq.request_id) is not seq or seq.status is not Status.RUNNING:
-                continue  # finished or aborted
-            kept = seq.num_computed - c.start  # rows whose tokens stayed (verified drafts, not rejected ones)
-            nexts = seq.token_ids[c.start + 1 : c.start + kept + 1]  # the token after each kept row, if known
-            out = self.model.mtp_advance(self.kv, seq.request_id, c.start, rows[:kept], nexts)
-            seq.drafts = []
-            if out is not None and c.sample:
-                seq.drafts = self.model.mtp_draft(self.kv, seq.request_id, out, c.start + kept, self.speculative)
+    def _resolve(self, done: _Launched) -> list[StepOutput]:
+        """A launched step's tokens into outputs (waiting for them on a GPU); the next drafts; finished
+        requests' state dropped."""
+        outputs = self.scheduler.resolve(done.plan, done.result())
+        if self.drafter is not None:
+            assert self.runner.hidden is not None
+            spec_decode.draft(self.drafter, self.kv, done.plan, self.runner.hidden, self.scheduler, self.speculative)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.processors.drop(out.request_id)
+                if out.request_id not in self.scheduler.held:
+                    self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
+        return outputs
 
     def _pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -283,12 +255,20 @@ class Engine:
     @property
     def replay_tokens(self) -> int:
         """Tokens recomputed before a prefix restored without its short-term state (0: nothing to rebuild)."""
-        return getattr(self.kv, "replay_tokens", 0)
+        return self.kv.replay_tokens
 
     # --- introspection ----------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._inflight)
+
+    @property
+    def spec_drafted(self) -> int:
+        return self.acceptance.drafted
+
+    @property
+    def spec_accepted(self) -> int:
+        return self.acceptance.accepted
 
     def stats(self) -> EngineStats:
         s = self.scheduler

