@@ -15,6 +15,7 @@ from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, DEFAULT
 from shared.logs import LOG_FORMATS
 
 ENV_PREFIX = "DEEPINFER_"
+DEVICE_SHARE = 0.9  # of one GPU, what its workers fill together by default; the rest: CUDA contexts, graphs
 TRUE = ("1", "true", "yes", "on")
 
 
@@ -54,9 +55,9 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
     workers.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
     workers.add_argument("--gpu-memory-utilization", type=float, default=None,
-                         help="share of the GPU's memory each worker may fill, weights and KV pool (as vLLM's; "
-                              "activations come on top); default: the KV pool takes 80%% of what is free after "
-                              "loading the weights")
+                         help="share of the GPU's total memory each worker may fill: weights, activations and KV "
+                              "pool (as vLLM's); default: 0.9 split between the workers, which share one device "
+                              "(0.45 each for one prefill and one decode worker)")
     workers.add_argument("--kv-blocks", type=int, default=None,
                          help="KV pool size in blocks per worker (overrides --gpu-memory-utilization); "
                               "default: from memory (1 GiB on a CPU)")
@@ -140,8 +141,27 @@ def _check_values(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be positive, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
-    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    share, workers = args.gpu_memory_utilization, args.prefill_workers + args.decode_workers
+    if share is not None and not 0 < share <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
+    if share is not None and share * workers > 1 and on_gpu(args):
+        raise ValueError(f"--gpu-memory-utilization {share} for each of {workers} workers on one GPU is "
+                         f"{share * workers:g} of its memory; give each at most {1 / workers:.2f}")
+
+
+def on_gpu(args: argparse.Namespace) -> bool:
+    """The workers may run on a GPU (unset --device means cuda where there is one); all share that one device."""
+    return args.device is None or args.device.startswith("cuda")
+
+
+def worker_share(args: argparse.Namespace) -> float | None:
+    """Each worker's --gpu-memory-utilization: the one given, else DEVICE_SHARE split evenly between the workers
+    (they all run on the one device --device names); None on a CPU."""
+    if not on_gpu(args):
+        return None
+    if args.gpu_memory_utilization is not None:
+        return args.gpu_memory_utilization
+    return round(DEVICE_SHARE / (args.prefill_workers + args.decode_workers), 4)
 
 
 def env_table() -> str:

@@ -67,7 +67,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     """Each flag goes to the services that own it: the served names to the gateway (/v1/models), the recipe
     (what requests may name) and the workers (what they serve, by which the balancer routes); the context cap to
     the recipe (it refuses longer requests), the workers (they hold no longer sequence) and the gateway (it
-    reports it); the admission bounds to the recipe (it sees every request it launched)."""
+    reports it); the admission bounds to the recipe (it sees every request it launched); each worker its share
+    of the GPU they all run on (cli_up.worker_share: the launcher splits one GPU between them)."""
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--nats-url", nats_url, "--state-dir", str(state_dir), "--model", args.model]
@@ -78,7 +79,7 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     worker = capped + ["--max-num-seqs", str(args.max_num_seqs),
                        "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     for flag, value in (("--device", args.device), ("--speculative-tokens", args.speculative_tokens or None),
-                        ("--kv-blocks", args.kv_blocks), ("--gpu-memory-utilization", args.gpu_memory_utilization)):
+                        ("--kv-blocks", args.kv_blocks), ("--gpu-memory-utilization", cli_up.worker_share(args))):
         worker += [flag, str(value)] if value is not None else []
     gateway = capped + ["--host", args.host, "--port", str(args.port),
                         "--client-idle-timeout", str(args.client_idle_timeout),

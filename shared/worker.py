@@ -80,9 +80,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="share of the GPU's memory this worker may fill, weights and KV pool (as vLLM's; "
-                             "activations come on top); default: the KV pool takes 80%% of what is free after "
-                             "loading the weights")
+                        help="share of the GPU's total memory this worker may fill: weights, activations "
+                             "(measured) and KV pool (as vLLM's; `deepinfer up` splits one GPU between its "
+                             "workers); default: the KV pool takes 80%% of what is free after loading the weights")
     parser.add_argument("--kv-transport", default=os.environ.get("DEEPINFER_KV_TRANSPORT", "nats"),
                         help=f"how KV bytes reach the kvcache service: {' | '.join(TRANSPORTS)} (shm: shared "
                              "memory, worker and kvcache on one host; falls back to nats when the store cannot map it)")

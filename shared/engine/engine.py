@@ -1,4 +1,7 @@
-"""The engine: requests in, tokens out, one step at a time (schedule -> run -> sample -> postprocess).
+"""The engine: requests in, tokens out, one step at a time (schedule -> run -> sample -> resolve).
+
+What a model can do beyond the forward (its own cache layout, MTP drafts) the engine learns from protocols.py;
+speculative verify and draft are speculative.py's.
 
 Single-threaded by design: every method is called from one thread (AsyncEngine owns it), so there are no
 locks; requests join and leave between any two steps (continuous batching).
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from shared import hashing
+from shared.engine import memory
+from shared.engine import speculative as spec_decode
 from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutput
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import ModelConfig
@@ -33,6 +38,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.processors import LogitsProcessors
+from shared.engine.protocols import Cache, HasOwnCache, drafter
 from shared.engine.sampler import sample, sample_on_device
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
@@ -41,8 +47,6 @@ from shared.schemas.generate import SamplingParams
 
 __all__ = ["Engine", "EngineRequest", "EngineStats", "RequestError", "StepOutput", "run_to_completion"]
 
-CPU_KV_BYTES = 1 << 30  # default KV budget on the CPU: 1 GiB
-GPU_KV_FRACTION = 0.8  # default KV budget on a GPU: this share of the memory free after loading weights
 
 
 def graph_buckets(max_running: int) -> tuple[int, ...]:
@@ -85,49 +89,64 @@ class Engine:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: drafts per decode step from
         the model's MTP layer (DeepSeek-V4), verified in the same step (0 = off); max_model_len: caps a
-        sequence's tokens below the model's context; gpu_memory_utilization: the share of the GPU this process
-        may fill, weights included, as vLLM's flag (None: the KV pool takes GPU_KV_FRACTION of what is free)."""
+        sequence's tokens below the model's context; gpu_memory_utilization: the share of the GPU's total memory
+        this engine may fill, weights, activations (measured) and KV pool together, as vLLM's flag (memory.py;
+        None: the KV pool takes GPU_KV_FRACTION of what is free after the weights)."""
         # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
         loaded = model if isinstance(model, LoadedModel) else load(resolve(model) if isinstance(model, str) else model)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.config: ModelConfig = loaded.config
-        ops = select_ops(self.device, kernels)
-        self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, ops)
-        spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
-        self.has_request_state = spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
-        self.block_tokens = spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
-        self.cache_id = f"{loaded.name}:{loaded.config.arch}:{spec.layout_id()}"
-        num_blocks = kv_blocks if kv_blocks is not None else self._default_blocks(spec.bytes_per_block,
-                                                                                  gpu_memory_utilization)
-        # a model with its own long-term layout (V4) makes its cache; Llama's K/V pages are the default
-        make_cache = getattr(self.model, "make_cache", None)
-        self.kv = make_cache(num_blocks, max_running) if make_cache else KVCache(spec, num_blocks, self.device)
-        self.block_bytes = self.kv.block_bytes
-        self.blocks = BlockManager(num_blocks, self.block_tokens)
-        self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), max_batch_tokens, max_running,
-                                   resume=lambda seq, restored: self.kv.begin(seq.request_id, restored))
-        # A sequence never outgrows the context or the whole cache (it could never be scheduled again).
-        self.max_tokens = min(self.config.max_position, num_blocks * self.block_tokens, max_model_len or 1 << 62)
-        # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4's torch path
-        # reads its per-sequence state instead
-        batched = ops.name == "triton" and make_cache is None
-        graphs = graph_buckets(max_running) if batched and cuda_graphs and self.device.type == "cuda" else ()
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
-                                  max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=max_running)
+        self.ops = select_ops(self.device, kernels)
+        self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, self.ops)
+        self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
+        self.has_request_state = self.spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
+        self.block_tokens = self.spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
+        self.cache_id = f"{loaded.name}:{loaded.config.arch}:{self.spec.layout_id()}"
+        self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+        self.cuda_graphs = cuda_graphs
+        # A sequence never outgrows the context (nor the whole cache: _build_pool)
+        self.context_cap = min(self.config.max_position, max_model_len or 1 << 62)
         self.speculative = speculative_tokens
-        if speculative_tokens:
-            if getattr(self.model, "mtp", None) is None:
-                raise ValueError(f"{loaded.name}: no MTP layer to draft speculative tokens with")
-            if not 0 < speculative_tokens <= self.kv.backtrack:
-                raise ValueError(f"speculative_tokens must be in [1, {self.kv.backtrack}]")
+        self.drafter = drafter(self.model) if speculative_tokens else None
+        if speculative_tokens and self.drafter is None:
+            raise ValueError(f"{loaded.name}: no MTP layer to draft speculative tokens with")
         self.processors = LogitsProcessors(self.config.vocab_size, self.device)  # repetition penalty, min_tokens
-        self.spec_drafted = self.spec_accepted = 0  # drafts proposed / accepted (the acceptance rate)
         # the CPU steps synchronously (tests may switch this on); speculative steps need their tokens at once
         self.overlap = self.device.type == "cuda" and not speculative_tokens
-        self._inflight: _Launched | None = None
         self._readback = [self._pinned(max_running), self._pinned(max_running)]  # alternate: N's, N+1's
+        if kv_blocks is None:
+            kv_blocks = self._default_blocks(gpu_memory_utilization)
+        self._build_pool(kv_blocks)
+        if speculative_tokens and not 0 < speculative_tokens <= self.kv.backtrack:
+            raise ValueError(f"speculative_tokens must be in [1, {self.kv.backtrack}]")
+
+    def _build_pool(self, num_blocks: int) -> None:
+        """The KV pool of `num_blocks` blocks and everything sized by it: block manager, scheduler, runner."""
+        self.kv = self._make_cache(num_blocks)
+        self.block_bytes = self.kv.block_bytes
+        self.blocks = BlockManager(num_blocks, self.block_tokens)
+        self.scheduler = Scheduler(self.blocks, hashing.namespace(self.cache_id), self.max_batch_tokens,
+                                   self.max_running,
+                                   resume=lambda seq, restored: self.kv.begin(seq.request_id, restored))
+        self.max_tokens = min(self.context_cap, num_blocks * self.block_tokens)
+        # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4's torch path
+        # reads its per-sequence state instead
+        batched = self.ops.name == "triton" and not isinstance(self.model, HasOwnCache)
+        on_gpu = batched and self.cuda_graphs and self.device.type == "cuda"
+        graphs = graph_buckets(self.max_running) if on_gpu else ()
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
+                                  max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=self.max_running)
+        self.acceptance = spec_decode.Acceptance()
+        self._inflight: _Launched | None = None
         self._steps = 0
+
+    def _make_cache(self, num_blocks: int) -> Cache:
+        """The one place a cache is made: a model with its own long-term layout (V4) makes it; Llama's K/V
+        pages are the default."""
+        if isinstance(self.model, HasOwnCache):
+            return self.model.make_cache(num_blocks, self.max_running)  # + its per-request state slots
+        return KVCache(self.spec, num_blocks, self.device)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -144,33 +163,30 @@ class Engine:
             if done is None:
                 return []
             self._inflight = self._launch() if self.overlap else None
-            outputs = self.scheduler.resolve(done.plan, done.result())
-            if self.speculative:
-                self._draft(done.plan)
-            for out in outputs:
-                if out.finish_reason is not None:
-                    self.processors.drop(out.request_id)
-                    if out.request_id not in self.scheduler.held:
-                        self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
+            outputs = self._resolve(done)
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)
 
     def _launch(self) -> _Launched | None:
-        """Schedule, run and sample one step without waiting for it (on a GPU), then commit it."""
+        """Schedule, run and sample one step without waiting for it (on a GPU)."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return None
         logits = self.runner.run(plan)  # (num_sampled, V)
+        return self._sample(plan, logits)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> _Launched:
+        """Sample every sampled row of the plan and commit it; tokens stay on the device until resolved."""
         # one row per sampled chunk; a chunk with drafts samples every row, at consecutive output positions
         rows = [(c, r) for c in plan.chunks if c.sample for r in range(c.num_tokens if c.drafts else 1)]
         specs = [c.seq.sampling for c, _ in rows]
         positions = [c.seq.output_position + r for c, r in rows]
         logits = self.processors.apply(logits, rows, positions)  # before commit: it reads the known tokens
         self.scheduler.commit(plan)  # after reading output positions: it advances them
-        if self.speculative:
+        if self.speculative:  # the drafts are verified at once: the next step's chunks depend on them
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
                 sample_on_device(logits, specs, positions).tolist())
-            return _Launched(plan, self._verify(plan, sampled))
+            return _Launched(plan, spec_decode.verify(plan, sampled, self.processors, self.acceptance))
         if self.device.type == "cpu":
             tokens = sample(logits, specs, positions)
             self.processors.record(tokens)
@@ -189,46 +205,19 @@ class Engine:
         event.record()
         return _Launched(plan, host, event)
 
-    def _verify(self, plan: StepPlan, sampled: list[int]) -> list[int | list[int]]:
-        """Per sampled chunk: its token, or for a chunk with drafts the drafts the model itself would have
-        produced (same sampler, same output positions: the output is what decoding without drafts gives)
-        followed by the model's own token at the first disagreement (or after the last draft)."""
-        out: list[int | list[int]] = []
-        at = 0
-        for c in plan.chunks:
-            if not c.sample:
-                continue
-            if not c.drafts:
-                out.append(sampled[at])
-                self.processors.accept(c.seq, [sampled[at]])
-                at += 1
-                continue
-            tokens = sampled[at : at + c.num_tokens]
-            at += c.num_tokens
-            keep = next((i for i, d in enumerate(c.drafts) if tokens[i] != d), len(c.drafts))
-            self.spec_drafted += len(c.drafts)
-            self.spec_accepted += keep
-            out.append(tokens[: keep + 1])
-            self.processors.accept(c.seq, tokens[: keep + 1])
-        return out
-
-    def _draft(self, plan: StepPlan) -> None:
-        """Feed the MTP layer the pairs this step made known, then draft the next tokens of every sequence
-        that decodes next."""
-        hidden = self.runner.hidden
-        assert hidden is not None
-        row = 0
-        for c in plan.chunks:
-            seq, rows = c.seq, hidden[row : row + c.num_tokens]
-            row += c.num_tokens
-            if self.scheduler.seqs.get(seq.request_id) is not seq or seq.status is not Status.RUNNING:
-                continue  # finished or aborted
-            kept = seq.num_computed - c.start  # rows whose tokens stayed (verified drafts, not rejected ones)
-            nexts = seq.token_ids[c.start + 1 : c.start + kept + 1]  # the token after each kept row, if known
-            out = self.model.mtp_advance(self.kv, seq.request_id, c.start, rows[:kept], nexts)
-            seq.drafts = []
-            if out is not None and c.sample:
-                seq.drafts = self.model.mtp_draft(self.kv, seq.request_id, out, c.start + kept, self.speculative)
+    def _resolve(self, done: _Launched) -> list[StepOutput]:
+        """A launched step's tokens into outputs (waiting for them on a GPU); the next drafts; finished
+        requests' state dropped."""
+        outputs = self.scheduler.resolve(done.plan, done.result())
+        if self.drafter is not None:
+            assert self.runner.hidden is not None
+            spec_decode.draft(self.drafter, self.kv, done.plan, self.runner.hidden, self.scheduler, self.speculative)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.processors.drop(out.request_id)
+                if out.request_id not in self.scheduler.held:
+                    self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
+        return outputs
 
     def _pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -266,12 +255,20 @@ class Engine:
     @property
     def replay_tokens(self) -> int:
         """Tokens recomputed before a prefix restored without its short-term state (0: nothing to rebuild)."""
-        return getattr(self.kv, "replay_tokens", 0)
+        return self.kv.replay_tokens
 
     # --- introspection ----------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._inflight)
+
+    @property
+    def spec_drafted(self) -> int:
+        return self.acceptance.drafted
+
+    @property
+    def spec_accepted(self) -> int:
+        return self.acceptance.accepted
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -331,20 +328,35 @@ class Engine:
             raise ValueError(f"{request_id}: not a running or held request")
         return seq
 
-    def _default_blocks(self, block_bytes: int, utilization: float | None) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * GPU_KV_FRACTION)
-            if utilization is not None:  # this process's share of the whole GPU, less what it holds already
-                budget = int(total * utilization) - torch.cuda.memory_reserved(self.device)
-                if budget <= 0 or budget > free:
-                    raise ValueError(
-                        f"gpu_memory_utilization {utilization}: {budget / 2**30:.1f} GiB left for the KV pool, "
-                        f"{free / 2**30:.1f} GiB free on {self.device}"
-                    )
-        else:
-            budget = CPU_KV_BYTES
-        return max(1, budget // block_bytes)
+    def _default_blocks(self, utilization: float | None) -> int:
+        """Blocks of the KV pool from the device's memory (memory.py): on a GPU with a share, what the share
+        leaves after the weights, the measured activation peak and the per-request state."""
+        if self.device.type != "cuda":
+            return max(1, memory.CPU_KV_BYTES // self.spec.bytes_per_block)
+        peak = self.activation_peak() if utilization is not None else 0
+        state = 2 * self.max_running * self.spec.per_request_state_bytes  # V4 pools running + held (make_cache)
+        pool = memory.kv_pool_bytes(memory.probe(self.device, peak), utilization, state)
+        return max(1, pool // self.spec.bytes_per_block)
+
+    def activation_peak(self) -> int:
+        """Bytes one step of max_batch_tokens fresh prompt tokens allocates above what the engine holds (its
+        activations, logits and scratch), measured by running one on a pool just big enough for it. The engine
+        is left without a pool: _build_pool makes the real one. 0 on a CPU (nothing to measure)."""
+        n = max(1, min(self.max_batch_tokens, self.context_cap - 1))
+        self._build_pool(n // self.block_tokens + 2)
+        gpu = self.device.type == "cuda"
+        if gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        prompt = [i % self.config.vocab_size for i in range(n)]
+        run_to_completion(self, [EngineRequest("profile", prompt, SamplingParams(temperature=0), 1)])
+        peak = torch.cuda.max_memory_allocated(self.device) - base if gpu else 0
+        del self.kv, self.runner, self.scheduler, self.blocks
+        if gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the profile's pool and scratch go back to the device
+        return peak
 
 
 def sampling_spec(sp: SamplingParams) -> SamplingSpec:

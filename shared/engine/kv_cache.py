@@ -79,6 +79,9 @@ class CacheSpec:
 
 
 class KVCache:
+    backtrack = 0  # a request is never taken back past its computed tokens (no speculative drafts)
+    replay_tokens = 0  # every K/V is long-term: a restored prefix needs nothing recomputed
+
     def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device) -> None:
         assert spec.paged is not None, "models without a paged tier arrive with DeepSeek-V4"
         self.spec = spec

@@ -169,6 +169,29 @@ def test_each_flag_reaches_the_services_that_own_it(tmp_path: Path) -> None:
     assert (parsed.max_running, parsed.kv_blocks, parsed.gpu_memory_utilization) == (9, 100, 0.4)
 
 
+def test_the_launcher_splits_one_gpu_between_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker runs on the one device: by default they share 0.9 of it evenly; a share given is each
+    worker's own (vLLM's meaning), refused when the workers' shares add up past the whole device."""
+    for key in [k for k in os.environ if k.startswith("DEEPINFER_")]:
+        monkeypatch.delenv(key)
+
+    def shares(*flags: str) -> list[str]:
+        plan = build_plan(cli_up.parse(list(flags)), tmp_path, "nats://127.0.0.1:4222")
+        argvs = [c.argv for c in plan.children if c.service in ("prefill", "decode")]
+        return [a[a.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in a else "-" for a in argvs]
+
+    assert shares() == ["0.45", "0.45"]
+    assert shares("--prefill-workers", "2") == ["0.3", "0.3", "0.3"]
+    assert shares("--gpu-memory-utilization", "0.3") == ["0.3", "0.3"]
+    assert shares("--device", "cpu") == ["-", "-"]  # no GPU, no share
+    monkeypatch.setenv("DEEPINFER_GPU_MEMORY_UTILIZATION", "0.2")
+    assert shares() == ["0.2", "0.2"]
+    monkeypatch.delenv("DEEPINFER_GPU_MEMORY_UTILIZATION")
+    with pytest.raises(SystemExit):
+        cli_up.parse(["--gpu-memory-utilization", "0.6"])  # 2 x 0.6 of one GPU
+    assert cli_up.parse(["--gpu-memory-utilization", "0.6", "--device", "cpu"]).gpu_memory_utilization == 0.6
+
+
 def test_admission_and_client_timeouts_reach_the_recipe_and_the_gateway(tmp_path: Path) -> None:
     from services.gateway.config import add_args as add_gateway_args
     from services.gateway.config import gateway_config

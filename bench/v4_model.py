@@ -1,0 +1,510 @@
+"""A whole DeepSeek-V4-Flash-width model on one GPU, through the Engine: decode and prefill against transformers
+eager on the same weights and against the byte and FLOP floors (issue 12, item 7).
+
+    python bench/v4_model.py --out bench/results/2026-12-01-v4-model-h200.md [--shape 43x32,8x256]
+        [--batches 1,8,32,128] [--ctx 4096,65536] [--prefill 8192,78848] [--skip-hf] [--steps 8] [--tiny]
+
+Two shapes, random bf16 weights built in memory (never a checkpoint on disk: a 43-layer one would not fit the
+GPU machine's disk): 43 layers x 32 routed experts (batch 1 touches as many experts as the real model's 256:
+6 + 1 shared per layer) and 8 layers x 256 experts (batched MoE as the real model sees it). Width as V4-Flash:
+hidden 4096, 64 heads of 512 (one shared K = V head), q_lora 1024, 8 output groups of rank 1024, window 128,
+index 64 x 128 top-512, experts of 2048 (top 6 + 1 shared), vocab 129280, 4 mHC streams, 3 hash-routed layers.
+Layer schedule as V4-Flash's compress_ratios: two sliding-window layers, then CSA (ratio 4) and HCA (ratio 128)
+alternating, CSA first (the 8-layer shape takes the first 8). Both models come from one transformers
+DeepseekV4Config, ours through the loader's own parse_spec, so they agree on every dimension.
+
+Weights: each tensor is drawn from a generator seeded by its name (`RandomWeights`), on the GPU, when the model
+asks for it, so neither model ever holds a second copy and both get the same numbers: ours stacks the experts as
+it loads; transformers' model is built empty in bf16 and filled through the hub-name views of
+tests/v4_checkpoints.hub_state_dict. The two models are never resident together (ours is freed first).
+
+Ours, through the Engine (scheduler, sampling and overlapped steps in the measurement): decode at batch B with a
+`ctx`-token context per sequence: the contexts are random cache contents (the compressed entries of every block
+and each request's rings), not a real prefill: a real 64K prefill of 128 sequences would take the run's whole
+time; B sequences are placed in the scheduler as running with their blocks allocated, then engine.step() is
+timed for --steps steps. Prefill: one fresh prompt through the engine (max_batch_tokens = the 8K chunk, so a
+77K prompt runs as 8K chunks), first token out, after one untimed chunk-sized prompt.
+
+transformers 5.24 eager: a real prefill of B x ctx tokens, then one decode step with its cache (timed); an 8K
+prompt in one forward. Cases past --hf-max-ctx are not run (eager attention materialises heads x q x k
+scores); out of memory is reported as such.
+
+Floors, from two ceilings measured in the same run (bench/timing.py: copy bytes/s, bf16 matmul FLOP/s), summed
+over the layers with bench/v4_layer.py's per-layer account (weights read once per step, the experts the batch
+touches, KV read per sequence; 2 x active parameters per token + attention) plus the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.timing import ceilings  # noqa: E402
+from bench.v4_layer import Costs  # noqa: E402
+from shared.engine.config import ModelConfig  # noqa: E402
+from shared.engine.engine import Engine, EngineRequest, run_to_completion  # noqa: E402
+from shared.engine.loader import LoadedModel  # noqa: E402
+from shared.engine.loader.deepseek_v4 import _expected, parse_spec  # noqa: E402
+from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
+from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec  # noqa: E402
+from shared.engine.sequence import Status  # noqa: E402
+from shared.schemas.generate import SamplingParams  # noqa: E402
+
+T0 = time.time()
+GiB = 1 << 30
+S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+FLASH = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_attention_heads=64, head_dim=512,
+             q_lora_rank=1024, num_experts_per_tok=6, n_shared_experts=1, sliding_window=128, o_groups=8,
+             o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
+             max_position_embeddings=1 << 20)
+TINY = dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+            q_lora_rank=48, partial_rotary_factor=0.5, num_experts_per_tok=2, n_shared_experts=1, sliding_window=8,
+            o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=8, hc_mult=4,
+            max_position_embeddings=4096, compress_rates={C: 4, H: 16})
+SHAPES = {"43x32": (43, 32), "8x256": (8, 256)}
+TINY_SHAPES = {"4x8": (4, 8), "3x16": (3, 16)}
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+
+
+def flash_layers(n: int) -> list[str]:
+    """V4-Flash's schedule: two window-only layers, then CSA and HCA alternating (CSA first)."""
+    return [S, S, *(C if i % 2 == 0 else H for i in range(max(n - 2, 0)))][:n]
+
+
+def hf_config(layers: int, experts: int, tiny: bool) -> Any:
+    from transformers import DeepseekV4Config
+
+    dims = TINY if tiny else FLASH
+    return DeepseekV4Config(**dims, num_hidden_layers=layers, n_routed_experts=experts,
+                            layer_types=flash_layers(layers), num_nextn_predict_layers=0)
+
+
+def model_config(spec: DeepseekV4Spec) -> ModelConfig:
+    return ModelConfig(arch="deepseek_v4", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                       num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=1, head_dim=spec.head_dim,
+                       intermediate_size=spec.moe_intermediate, rope_theta=spec.rope_theta, rms_eps=spec.rms_eps,
+                       max_position=spec.max_position, tie_embeddings=False, bos_id=0, eos_ids=(1,), spec=spec)
+
+
+def shapes(s: DeepseekV4Spec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the loader takes (hub names): its shape and how it is drawn ("lin": N(0, 1/fan_in);
+    "norm": ~1; "bias": small; "ape": N(0, 1); "embed"; "tid2eid": expert ids)."""
+    D, Hh, d, hc, I = s.hidden_size, s.num_heads, s.head_dim, s.hc_mult, s.moe_intermediate
+    mix = (2 + hc) * hc
+    out: dict[str, tuple[tuple[int, ...], str]] = {
+        "embed.weight": ((s.vocab_size, D), "embed"), "head.weight": ((s.vocab_size, D), "lin"),
+        "norm.weight": ((D,), "norm"), "hc_head_fn": ((hc, hc * D), "lin"), "hc_head_base": ((hc,), "bias"),
+        "hc_head_scale": ((1,), "norm")}
+    for i, (kind, m) in enumerate(zip(s.kinds, s.ratios)):
+        p, a, f = f"layers.{i}.", f"layers.{i}.attn.", f"layers.{i}.ffn."
+        for part in ("hc_attn", "hc_ffn"):
+            out |= {f"{p}{part}_fn": ((mix, hc * D), "lin"), f"{p}{part}_base": ((mix,), "bias"),
+                    f"{p}{part}_scale": ((3,), "norm")}
+        out |= {p + "attn_norm.weight": ((D,), "norm"), p + "ffn_norm.weight": ((D,), "norm"),
+                a + "wq_a.weight": ((s.q_lora_rank, D), "lin"), a + "q_norm.weight": ((s.q_lora_rank,), "norm"),
+                a + "wq_b.weight": ((Hh * d, s.q_lora_rank), "lin"), a + "wkv.weight": ((d, D), "lin"),
+                a + "kv_norm.weight": ((d,), "norm"),
+                a + "wo_a.weight": ((s.o_groups * s.o_lora_rank, Hh * d // s.o_groups), "lin"),
+                a + "wo_b.weight": ((D, s.o_groups * s.o_lora_rank), "lin"), a + "attn_sink": ((Hh,), "bias")}
+        compressors = [] if kind == SLIDING else [(a + "compressor.", 2 * d if kind == CSA else d, d)]
+        if kind == CSA:
+            compressors.append((a + "indexer.compressor.", 2 * s.index_head_dim, s.index_head_dim))
+            out |= {a + "indexer.wq_b.weight": ((s.index_heads * s.index_head_dim, s.q_lora_rank), "lin"),
+                    a + "indexer.weights_proj.weight": ((s.index_heads, D), "lin")}
+        for c, width, normed in compressors:
+            out |= {c + "wkv.weight": ((width, D), "lin"), c + "wgate.weight": ((width, D), "lin"),
+                    c + "ape": ((m, width), "ape"), c + "norm.weight": ((normed,), "norm")}
+        out[f + "gate.weight"] = ((s.num_experts, D), "lin")
+        if i < s.hash_layers:
+            out[f + "gate.tid2eid"] = ((s.vocab_size, s.experts_per_token), "tid2eid")
+        else:
+            out[f + "gate.bias"] = ((s.num_experts,), "bias")
+        for e in [*(f"experts.{j}" for j in range(s.num_experts)), "shared_experts"]:
+            out |= {f"{f}{e}.w1.weight": ((I, D), "lin"), f"{f}{e}.w3.weight": ((I, D), "lin"),
+                    f"{f}{e}.w2.weight": ((D, I), "lin")}
+    return out
+
+
+class RandomWeights(Mapping[str, torch.Tensor]):
+    """The model's tensors, each drawn when asked for from a generator seeded by its name (fp32 on `device`;
+    the loader casts): the same numbers for whoever asks, and nothing kept."""
+
+    def __init__(self, spec: DeepseekV4Spec, device: torch.device, seed: int = 0) -> None:
+        self.spec, self.device, self.seed = spec, device, seed
+        self.table = shapes(spec)
+        required, _ = _expected(spec)
+        assert required <= self.table.keys(), sorted(required - self.table.keys())[:5]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, how = self.table[name]
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        if how == "tid2eid":
+            return torch.randint(0, self.spec.num_experts, shape, generator=g, device=self.device)
+        x = torch.randn(shape, generator=g, device=self.device)
+        if how == "lin":
+            return x * shape[-1] ** -0.5
+        if how == "embed":
+            return x
+        return {"norm": x * 0.1 + 1.0, "bias": x * 0.1, "ape": x}[how]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def nbytes(self, elem: int) -> int:
+        return sum(_numel(shape) for shape, _ in self.table.values()) * elem
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+# --- floors ---------------------------------------------------------------------------------------------------
+
+
+class ModelCosts:
+    """Bytes and FLOPs of one step of the whole model: v4_layer's per-layer account over the schedule + the head."""
+
+    def __init__(self, s: DeepseekV4Spec, elem: int) -> None:
+        self.layers = [Costs(dataclasses.replace(s, num_layers=1, kinds=(k,), ratios=(m,), hash_layers=0), elem)
+                       for k, m in zip(s.kinds, s.ratios)]
+        self.head = s.vocab_size * s.hidden_size
+        self.elem = elem
+
+    def decode(self, batch: int, ctx: int) -> tuple[float, float]:
+        parts = [c.decode(batch, ctx) for c in self.layers]
+        return (sum(b for b, _ in parts) + self.head * self.elem,
+                sum(f for _, f in parts) + 2 * self.head * batch)
+
+    def prefill(self, n: int, chunk: int) -> tuple[float, float]:
+        """A prompt of n tokens in chunks: the weights are read once per chunk."""
+        chunks = -(-n // chunk)
+        parts = [c.prefill(n) for c in self.layers]
+        return (chunks * (sum(b for b, _ in parts) + self.head * self.elem),
+                sum(f for _, f in parts) + 2 * self.head * chunks)  # the head: one sampled row per chunk
+
+
+# --- ours -----------------------------------------------------------------------------------------------------
+
+
+def place_running(engine: Engine, rids: list[str], ctx: int, steps: int) -> None:
+    """B sequences with a ctx-token context already in the cache (random blocks and rings), running: the next
+    step decodes their token ctx. (The scheduler's own admission would prefill the ctx tokens first.)"""
+    cache: V4Cache = engine.kv  # type: ignore[assignment]
+    bt = engine.block_tokens
+    for i, rid in enumerate(rids):
+        seq = engine._validate(EngineRequest(rid, [(7 * i + t) % engine.config.vocab_size for t in range(ctx + 1)],
+                                             GREEDY, steps + 8))
+        table = engine.blocks.allocate(-(-(ctx + 1) // bt))
+        if table is None:
+            raise MemoryError(f"{len(rids)} x {ctx} tokens do not fit the {engine.blocks.num_blocks}-block pool")
+        seq.block_table, seq.num_computed, seq.num_cached = table, ctx, ctx
+        seq.num_published = ctx // bt  # random contents: never offered to the prefix cache
+        seq.status = Status.RUNNING
+        engine.scheduler.seqs[rid] = seq
+        engine.scheduler.running.append(seq)
+        cache.begin(rid, 0)
+        state = cache.states[rid]
+        state.length, state.begin, state.frozen = ctx, 0, 0
+        for t in state.tensors():
+            t.normal_()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ours_decode(engine: Engine, batch: int, ctx: int, steps: int) -> float:
+    """Seconds per decode step of `batch` sequences at `ctx` (engine.step() after 2 warm-up steps)."""
+    rids = [f"d{batch}-{ctx}-{i}" for i in range(batch)]
+    try:
+        place_running(engine, rids, ctx, steps + 2)
+        for _ in range(2):
+            engine.step()
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        return (time.perf_counter() - t) / steps
+    finally:
+        for rid in rids:
+            engine.abort(rid)
+        while engine.has_work():  # the overlapped step still in flight
+            engine.step()
+
+
+def ours_prefill(engine: Engine, n: int, tag: str) -> float:
+    """Seconds from adding a fresh n-token prompt to its first token."""
+    offset = zlib.crc32(tag.encode())  # no prefix shared between prompts (the prefix cache would skip it)
+    prompt = [(11 * t + offset) % engine.config.vocab_size for t in range(n)]
+    sync()
+    t = time.perf_counter()
+    run_to_completion(engine, [EngineRequest(tag, prompt, GREEDY, 1)])
+    sync()
+    return time.perf_counter() - t
+
+
+# --- transformers eager ---------------------------------------------------------------------------------------
+
+
+def hf_model(config: Any, weights: RandomWeights, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.v4_checkpoints import hub_state_dict
+
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: an fp32 copy of 80 GB would not fit
+    try:
+        with torch.device(device):
+            model = DeepseekV4ForCausalLM._from_config(config, attn_implementation="eager", dtype=dtype).eval()
+    finally:
+        torch.set_default_dtype(saved)
+    with torch.no_grad():
+        for name, view in hub_state_dict(model).items():
+            view.copy_(weights[name])
+    return model
+
+
+def hf_decode(model: Any, batch: int, ctx: int, vocab: int, device: torch.device) -> float:
+    """Seconds of one decode step after a real prefill of batch x ctx tokens (median of 3)."""
+    ids = torch.randint(0, vocab, (batch, ctx), device=device)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        del out
+        times = []
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            out = model(nxt, cache=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            sync()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[1]
+
+
+def hf_prefill(model: Any, n: int, vocab: int, device: torch.device) -> float:
+    ids = torch.randint(0, vocab, (1, n), device=device)
+    with torch.no_grad():
+        sync()
+        t = time.perf_counter()
+        model(ids, use_cache=False, logits_to_keep=1)
+        sync()
+    return time.perf_counter() - t
+
+
+def guarded(fn: Any, *args: Any) -> float | str:
+    """fn's seconds, or why there are none (out of memory, a pool too small)."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        why = "out of memory"
+    except MemoryError as exc:
+        why = f"does not fit ({exc})"
+    gc.collect()  # after the except block: the traceback no longer holds the failed call's tensors
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return why
+
+
+# --- one shape ------------------------------------------------------------------------------------------------
+
+
+def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, device: torch.device,
+              dtype: torch.dtype, bw: float, flops: float) -> tuple[list[dict], str]:
+    config = hf_config(layers, experts, args.tiny)
+    spec = parse_spec(config.to_dict())
+    weights = RandomWeights(spec, device)
+    costs = ModelCosts(spec, dtype.itemsize)
+    weight_gib = weights.nbytes(dtype.itemsize) / GiB
+    bt = spec.block_tokens
+    block_bytes = V4Cache(spec, 1, torch.device("cpu"), dtype).block_bytes
+    chunk = min(args.prefill)
+    cases = [(b, c) for c in args.ctx for b in args.batches]
+    need = max([b * (-(-(c + args.steps + 16) // bt)) for b, c in cases] + [-(-(max(args.prefill) + 2) // bt)])
+    if device.type == "cuda":  # the pool: what the largest case needs, within what the device has past weights
+        free, total = torch.cuda.mem_get_info()
+        room = int(free - weights.nbytes(dtype.itemsize) - args.reserve_gib * GiB)
+        blocks = max(1, min(need, room // block_bytes))
+    else:
+        blocks = need
+    log(f"{name}: {layers} layers x {experts} experts, weights {weight_gib:.1f} GiB, KV pool {blocks} blocks "
+        f"({blocks * block_bytes / GiB:.1f} GiB, {block_bytes / 2**20:.2f} MiB per {bt}-token block)")
+    engine = Engine(LoadedModel(f"v4-random-{name}", model_config(spec), weights), device=str(device), dtype=dtype,
+                    kv_blocks=blocks, max_batch_tokens=chunk, max_running=max(args.batches))
+    log(f"{name}: model built, {torch.cuda.memory_allocated() / GiB:.1f} GiB allocated" if device.type == "cuda"
+        else f"{name}: model built")
+    rows = []
+    with torch.inference_mode():
+        for ctx in args.ctx:
+            for b in args.batches:
+                t = guarded(ours_decode, engine, b, ctx, args.steps)
+                nbytes, nflops = costs.decode(b, ctx)
+                rows.append(dict(shape=name, phase="decode", batch=b, ctx=ctx, tokens=b, ours=t,
+                                 bytes_s=nbytes / bw, flops_s=nflops / flops))
+                log(f"{name} decode b{b} ctx {ctx}: {_fmt_ms(t)}")
+        guarded(ours_prefill, engine, chunk, "warm-up")  # first use of the chunk's shapes (GEMM heuristics)
+        for n in args.prefill:
+            t = guarded(ours_prefill, engine, n, f"p{n}")
+            nbytes, nflops = costs.prefill(n, chunk)
+            rows.append(dict(shape=name, phase="prefill", batch=1, ctx=n, tokens=n, ours=t,
+                             bytes_s=nbytes / bw, flops_s=nflops / flops))
+            log(f"{name} prefill {n}: {_fmt_ms(t)}")
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_hf:
+        hf_rows(rows, config, weights, spec, args, device, dtype)
+    memory = f"{name}: weights {weight_gib:.1f} GiB, KV pool {blocks * block_bytes / GiB:.1f} GiB ({blocks} blocks)"
+    return rows, memory
+
+
+def hf_rows(rows: list[dict], config: Any, weights: RandomWeights, spec: DeepseekV4Spec, args: argparse.Namespace,
+            device: torch.device, dtype: torch.dtype) -> None:
+    """transformers eager on the same weights, into the rows' "hf" column."""
+    try:
+        model = hf_model(config, weights, device, dtype)
+    except torch.OutOfMemoryError:
+        for r in rows:
+            r["hf"] = "out of memory (the model)"
+        return
+    for r in rows:
+        if r["ctx"] > args.hf_max_ctx:
+            r["hf"] = "not run (eager scores past --hf-max-ctx)"
+        elif r["phase"] == "decode":
+            r["hf"] = guarded(hf_decode, model, r["batch"], r["ctx"], spec.vocab_size, device)
+        else:
+            r["hf"] = guarded(hf_prefill, model, r["ctx"], spec.vocab_size, device)
+        log(f"transformers {r['shape']} {r['phase']} b{r['batch']} {r['ctx']}: {_fmt_ms(r['hf'])}")
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- the table ------------------------------------------------------------------------------------------------
+
+
+def _fmt_ms(t: float | str) -> str:
+    return f"{t * 1e3:,.1f} ms" if isinstance(t, float) else str(t)
+
+
+def table(rows: list[dict], memory: list[str], bw: float, flops: float, device: str, args: argparse.Namespace
+          ) -> str:
+    lines = [
+        f"# DeepSeek-V4-Flash-width model, random weights ({datetime.date.today()}, {device})",
+        "",
+        f"Ceilings measured in this run: copy {bw / 1e12:.3g} TB/s, matmul {flops / 1e12:.3g} TFLOP/s. Ours: "
+        "through the Engine (decode contexts are random cache contents, not a real prefill). transformers: "
+        f"{'not run (--skip-hf)' if args.skip_hf else '5.24 eager, same weights, a real prefill then one step'}. "
+        "Floor = max(bytes / copy rate, FLOPs / matmul rate); % of floor = floor / ours. Memory: "
+        + "; ".join(memory) + ".",
+        "",
+        "| shape | phase | batch | context / prompt | ours ms | ours tok/s | transformers ms | ours vs transformers "
+        "| bytes floor ms | FLOP floor ms | % of floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ours, hf = r["ours"], r.get("hf", "")
+        floor = max(r["bytes_s"], r["flops_s"])
+        ok = isinstance(ours, float)
+        tok_s = f"{r['tokens'] / ours:,.0f}" if ok else ""
+        speed = f"{hf / ours:.2f}x" if ok and isinstance(hf, float) else ""
+        pct = f"{100 * floor / ours:.1f} %" if ok else ""
+        lines.append(f"| {r['shape']} | {r['phase']} | {r['batch']} | {r['ctx']:,} | {_fmt_ms(ours)} | {tok_s} | "
+                     f"{_fmt_ms(hf) if hf != '' else ''} | {speed} | {r['bytes_s'] * 1e3:.2f} | "
+                     f"{r['flops_s'] * 1e3:.2f} | {pct} |")
+    return "\n".join(lines) + "\n"
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="write the markdown table here too")
+    ap.add_argument("--shape", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: both)")
+    ap.add_argument("--batches", type=ints, default=None, help="decode batch sizes (default 1,8,32,128)")
+    ap.add_argument("--ctx", type=ints, default=None, help="decode contexts, tokens (default 4096,65536)")
+    ap.add_argument("--prefill", type=ints, default=None,
+                    help="prompt lengths; the smallest is the engine's chunk (default 8192,78848: an 8K chunk, 77K)")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per case")
+    ap.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+    ap.add_argument("--hf-max-ctx", type=int, default=8192, help="longest context / prompt run through transformers")
+    ap.add_argument("--reserve-gib", type=float, default=24.0,
+                    help="GPU memory left outside the KV pool for activations (the 8K chunk's scores)")
+    ap.add_argument("--tiny", action="store_true", help="toy widths on the CPU in seconds (checks the script)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.shape = args.shape or ",".join(TINY_SHAPES)
+        args.batches = args.batches or [1, 3]
+        args.ctx = args.ctx or [40, 100]
+        args.prefill = args.prefill or [32, 80]
+        args.steps = min(args.steps, 2)
+    else:
+        args.shape = args.shape or ",".join(SHAPES)
+        args.batches = args.batches or [1, 8, 32, 128]
+        args.ctx = args.ctx or [4096, 65536]
+        args.prefill = args.prefill or [8192, 78848]
+    known = TINY_SHAPES if args.tiny else SHAPES
+    args.shapes = [s for s in args.shape.split(",") if s]
+    if unknown := [s for s in args.shapes if s not in known]:
+        ap.error(f"--shape: unknown {unknown}; have {', '.join(known)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bw, flops = ceilings(device)
+    log(f"ceilings: {bw / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s")
+    shapes_ = TINY_SHAPES if args.tiny else SHAPES
+    rows, memory = [], []
+    for name in args.shapes:
+        layers, experts = shapes_[name]
+        shape_rows, mem = run_shape(name, layers, experts, args, device, dtype, bw, flops)
+        rows += shape_rows
+        memory.append(mem)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    if device.type == "cuda":
+        gpu += f", {torch.cuda.mem_get_info()[1] / GiB:.0f} GiB"
+    out = table(rows, memory, bw, flops, gpu + (" (tiny widths)" if args.tiny else ""), args)
+    print(out)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
