@@ -64,7 +64,7 @@ from shared.schemas.generate import SamplingParams  # noqa: E402
 
 T0 = time.time()
 GiB = 1 << 30
-S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+C, H = "compressed_sparse_attention", "heavily_compressed_attention"
 FLASH = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_attention_heads=64, head_dim=512,
              q_lora_rank=1024, num_experts_per_tok=6, n_shared_experts=1, sliding_window=128, o_groups=8,
              o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
@@ -86,8 +86,10 @@ def log(msg: str) -> None:
 
 
 def flash_layers(n: int) -> list[str]:
-    """V4-Flash's schedule: two window-only layers, then CSA and HCA alternating (CSA first)."""
-    return [S, S, *(C if i % 2 == 0 else H for i in range(max(n - 2, 0)))][:n]
+    """V4-Flash's schedule as transformers' DeepseekV4Config defaults spell it (its first n layers)."""
+    from transformers import DeepseekV4Config
+
+    return list(DeepseekV4Config().layer_types[:n])
 
 
 def hf_config(layers: int, experts: int, tiny: bool) -> Any:
