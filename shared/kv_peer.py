@@ -143,7 +143,8 @@ class Pulled:
 
 
 class PeerPuller:
-    """A decode worker's pulls from prefill workers, over its KV connection."""
+    """A decode worker's pulls from prefill workers, over its KV connection: at most `window` messages of
+    `message_bytes` in flight in all."""
 
     def __init__(self, bus: Bus, block_bytes: int, *, message_bytes: int, window: int = 2,
                  first_timeout: float = FIRST_PULL_TIMEOUT_S, timeout: float = PULL_TIMEOUT_S) -> None:
@@ -151,6 +152,9 @@ class PeerPuller:
         self._block_bytes = block_bytes
         self._message_bytes = message_bytes
         self._window = max(1, window)
+        # replies in flight over all this worker's pulls at once, not per pull: the server cuts a connection that
+        # has 32 MiB pending as a slow consumer (issue 11), and a decode worker takes many jobs at once
+        self._slots = asyncio.Semaphore(self._window)
         self._first_timeout = first_timeout
         self._timeout = timeout
         self.counts: Counter[str] = Counter()  # peer_blocks, peer_failed, peer_corrupt: for health
@@ -169,15 +173,17 @@ class PeerPuller:
 
     async def _pull(self, worker: str, request_id: str, keys: Sequence[bytes], start: int,
                     stop: Callable[[], bool]) -> Pulled:
-        first = await self._ask(worker, request_id, keys, start, 0, self._first_timeout)
+        # one item first, outside the window: it waits for prefill's export, and says how much there is
+        first = await self._ask(worker, request_id, keys, start, 1, self._first_timeout, slot=False)
         if first is None:
+            self.counts["peer_failed"] += 1
             return Pulled([], None)
         blocks = first.blocks
         total = blocks + first.tail + first.state_parts
         got = list(first.items)
         while start + len(got) < total and not stop():
             at = start + len(got)
-            per = max(1, len(first.items))
+            per = max(1, self._message_bytes // max(1, len(first.items[0])))
             asks = [(s, min(per, total - s)) for s in range(at, total, per)]
             short = False
             async for reply, (_, n) in self._ordered(worker, request_id, keys, asks):
@@ -209,7 +215,8 @@ class PeerPuller:
                     done_ask, task = flying.popleft()
                     yield await task, done_ask
                 s, n = ask
-                flying.append((ask, asyncio.ensure_future(self._ask(worker, request_id, keys, s, n, self._timeout))))
+                flying.append((ask, asyncio.ensure_future(self._ask(worker, request_id, keys, s, n, self._timeout,
+                                                                    slot=True))))
             while flying:
                 done_ask, task = flying.popleft()
                 yield await task, done_ask
@@ -218,12 +225,16 @@ class PeerPuller:
                 task.cancel()
 
     async def _ask(self, worker: str, request_id: str, keys: Sequence[bytes], start: int, count: int,
-                   timeout: float) -> KvPeerReply | None:
-        """One pull; None when the peer is gone, has no such hand-over, or sent an item that fails its check."""
-        pull = KvPeerPull(request_id, start, list(keys[start : start + count] if count else keys[start:]),
-                          self._message_bytes, count)
+                   timeout: float, *, slot: bool) -> KvPeerReply | None:
+        """One pull (with `slot`: inside the worker's window); None when the peer is gone, has no such hand-over,
+        or sent an item that fails its check."""
+        pull = KvPeerPull(request_id, start, list(keys[start : start + count]), self._message_bytes, count)
         try:
-            reply = await self._bus.request(subjects.kv_peer(worker), pull, KvPeerReply, timeout=timeout)
+            if slot:
+                async with self._slots:
+                    reply = await self._bus.request(subjects.kv_peer(worker), pull, KvPeerReply, timeout=timeout)
+            else:
+                reply = await self._bus.request(subjects.kv_peer(worker), pull, KvPeerReply, timeout=timeout)
         except BusTimeout as exc:
             log.info("%s: peer %s did not answer (%s): the store takes over", request_id, worker, exc)
             return None

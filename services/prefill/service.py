@@ -78,9 +78,10 @@ class PrefillService(EngineWorker):
                 prompt_tokens=len(prompt),
                 cached_tokens=first.num_cached_tokens,
             )
-            if finished:
-                await self.publish_tokens(event, env)
-                return
+            if finished or self.cancelled(req.request_id):
+                if finished:
+                    await self.publish_tokens(event, env)
+                return  # cancelled after the last step: nothing to hand over
             if peer:
                 # Decode pulls the KV from here while the store gets it: the job leaves now, before the first
                 # token (a worker that dies once the client has its first token has handed the job on), under

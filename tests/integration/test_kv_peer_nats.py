@@ -53,23 +53,25 @@ async def test_a_gone_peer_or_a_corrupt_item_gives_what_came_before_and_no_snaps
     class Corrupting(Handovers):
         async def serve(self, pull: KvPeerPull) -> KvPeerReply:
             reply = await super().serve(pull)
-            if pull.start >= 10 and reply.items:  # one flipped byte from block 10 on
-                reply.items[0] = bytes([reply.items[0][0] ^ 0xFF]) + reply.items[0][1:]
+            at = 10 - pull.start
+            if 0 <= at < len(reply.items):  # one flipped byte in block 10
+                reply.items[at] = bytes([reply.items[at][0] ^ 0xFF]) + reply.items[at][1:]
             return reply
 
     prefill, decode = await connect(nats_url, "prefill-c"), await connect(nats_url, "decode-c")
     try:
         puller = PeerPuller(decode, BLOCK, message_bytes=BLOCK * 5, first_timeout=2, timeout=2)
         gone = await puller.pull("nobody", "r2", [b"k"], 0)  # no such worker: no responders, at once
-        assert gone.blocks == [] and gone.snapshot is None
+        assert gone.blocks == [] and gone.snapshot is None and puller.counts["peer_failed"] == 1
         handovers = Corrupting()
         await serving(prefill, "p1", handovers)
         keys, data, tail, _ = exported(20, 0)
         handovers.open("r2", keys)
         handovers.fill("r2", data, tail, b"", part_bytes=MiB)
         pulled = await puller.pull("p1", "r2", keys, 0)
-        assert pulled.blocks == data[:10] and pulled.snapshot is None
-        assert puller.counts["peer_corrupt"] == 1 and puller.counts["peer_failed"] == 1
+        # block 0 alone, then 5 a message: the message with block 10 in it is refused whole
+        assert pulled.blocks == data[:6] and pulled.snapshot is None
+        assert puller.counts["peer_corrupt"] == 1 and puller.counts["peer_failed"] == 2
         await until(lambda: len(handovers) == 0, 10, "the done message after a failed pull")
     finally:
         await prefill.drain()
@@ -86,7 +88,7 @@ async def test_a_cancel_stops_the_pull_between_messages(nats_url: str) -> None:
         handovers.fill("r3", data, tail, b"", part_bytes=MiB)
         puller = PeerPuller(decode, BLOCK, message_bytes=BLOCK * 4, window=1)
         pulled = await puller.pull("p2", "r3", keys, 0, stop=lambda: True)  # cancelled after the first message
-        assert pulled.blocks == data[:4] and pulled.snapshot is None
+        assert pulled.blocks == data[:1] and pulled.snapshot is None
         await until(lambda: len(handovers) == 0, 10, "the done message")
     finally:
         await prefill.drain()
