@@ -21,7 +21,7 @@ from shared.engine.engine import EngineRequest
 from shared.kv_peer import Handovers
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent
 from shared.schemas.kv import KvPeerDone, KvPeerPull
-from shared.worker import EngineWorker, WorkerConfig
+from shared.worker import EngineWorker, ExportedKv, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,10 @@ class PrefillService(EngineWorker):
                 if finished:
                     await self.publish_tokens(event, env)
                 return  # cancelled after the last step: nothing to hand over
-            if peer:
+            if not peer:  # the store path: store from the held request, then hand the job on
+                await self.publish_tokens(event, env)
+                key = await self._store(req.request_id, prompt, ns, hashes, prefix_tokens // block)
+            else:
                 # Decode pulls the KV from here while the store gets it: the job leaves now, before the first
                 # token (a worker that dies once the client has its first token has handed the job on), under
                 # the snapshot's key to be (content-addressed: decode's fallback finds it once stored).
@@ -93,23 +96,25 @@ class PrefillService(EngineWorker):
                 exported = await self.export_kv(req.request_id, len(prompt), 0)
                 self.handovers.fill(req.request_id, exported.blocks, exported.tail, exported.state,
                                     self.state_part_bytes())
-            else:
-                await self.publish_tokens(event, env)
-                exported = None
         except BaseException:
             # failed or cancelled before the bytes were in (a cancel ended it already): a pull that waits for
             # them answers "not found" now, not when the lease ends
             self.handovers.end(req.request_id, "failed")
             raise
         finally:
-            await self.engine.call(engine.release, req.request_id)  # the hand-over holds bytes, not blocks
+            await self.engine.call(engine.release, req.request_id)
+        if peer:  # from the exported bytes: the engine's blocks are free for the next prompt already
+            await self._store(req.request_id, prompt, ns, hashes, prefix_tokens // block, exported)
+        elif not self.cancelled(req.request_id):  # cancelled during the store: nobody waits for a decode
+            await self._hand_over(req, token, hashes, key, first.num_cached_tokens, 0.0)
+
+    async def _store(self, request_id: str, prompt: list[int], ns: bytes, hashes: list[bytes], stored: int,
+                     exported: ExportedKv | None = None) -> bytes:
+        """store_kv, timed for the log; `stored`: the leading full blocks that came from the store."""
         started = time.monotonic()
-        stored = prefix_tokens // block  # full blocks that came from the store
-        key = await self.store_kv(req.request_id, prompt, ns, hashes, stored, exported)
-        log.debug("%s: stored %d blocks in %.3fs", req.request_id, len(hashes) - stored, time.monotonic() - started)
-        if self.cancelled(req.request_id) or peer:
-            return  # cancelled: nobody is waiting for a decode; peer: handed over already
-        await self._hand_over(req, token, hashes, key, first.num_cached_tokens, 0.0)
+        key = await self.store_kv(request_id, prompt, ns, hashes, stored, exported)
+        log.debug("%s: stored %d blocks in %.3fs", request_id, len(hashes) - stored, time.monotonic() - started)
+        return key
 
     async def _hand_over(self, req: GenerateRequest, token: int, hashes: list[bytes], key: bytes, cached: int,
                          lease_s: float) -> None:
