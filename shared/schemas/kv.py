@@ -158,16 +158,18 @@ class KvPeerPull:
     keys: list[bytes]
     max_bytes: int
     count: int = 0  # at most this many items (0: as many as fit)
+    checksum: str = "crc32"  # the checksum the caller would rather have: "xxh3" (where installed) | "crc32"
 
 
 @dataclass(frozen=True)
 class KvPeerReply:
     found: bool  # False: no live hand-over of that request here (ended, expired, cancelled, other hashes)
     items: list[bytes] = field(default_factory=list)  # items [start, start + len(items))
-    checksums: list[int] = field(default_factory=list)  # crc32 of each item, checked on arrival
+    checksums: list[int] = field(default_factory=list)  # of each item, checked on arrival
     blocks: int = 0  # the hand-over's full blocks
     tail: bool = False  # an item for the partial last block follows them
     state_parts: int = 0  # items of model state after that
+    checksum: str = "crc32"  # which: the one asked for where the peer has it, else crc32 (everyone has it)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from shared.kv_peer import Handovers, PeerPuller, checksum, pick
+from shared.kv_peer import CHECKSUMS, PREFERRED, Handovers, PeerPuller, checksum, pick
 from shared.schemas.kv import KvPeerPull, KvPeerReply
 
 BLOCK = 64
@@ -96,3 +96,22 @@ async def test_ending_twice_or_unknown_is_harmless_and_a_redelivery_replaces() -
     handovers.end("r", "done")
     handovers.end("nobody", "done")
     assert len(handovers) == 0 and handovers.counts["ended_done"] == 1
+
+
+def test_a_reply_checks_in_the_checksum_it_names_and_an_unknown_one_is_refused() -> None:
+    puller = PeerPuller(None, BLOCK, message_bytes=1 << 20)  # type: ignore[arg-type]
+    data = blocks(2)
+    for kind in CHECKSUMS:  # crc32 everywhere, xxh3 where the xxhash package is installed
+        assert puller.intact(KvPeerReply(True, data, [checksum(i, kind) for i in data], 2, checksum=kind), 0)
+    assert not puller.intact(KvPeerReply(True, data, [checksum(i) for i in data], 2, checksum="md4"), 0)
+
+
+async def test_the_peer_answers_in_the_checksum_asked_for_or_in_crc32() -> None:
+    handovers = Handovers()
+    handovers.open("r", [b"a"])
+    data = blocks(1)
+    handovers.fill("r", data, b"", b"", part_bytes=10)
+    unknown = await handovers.serve(KvPeerPull("r", 0, [b"a"], 1 << 20, checksum="md4"))
+    assert unknown.checksum == "crc32" and unknown.checksums == [checksum(data[0])]
+    asked = await handovers.serve(KvPeerPull("r", 0, [b"a"], 1 << 20, checksum=PREFERRED))
+    assert asked.checksum == PREFERRED and asked.checksums == [checksum(data[0], PREFERRED)]
