@@ -101,6 +101,7 @@ class DecodeService(EngineWorker):
         if job.peer_lease_s <= 0 or self.peers is None:
             blobs = await self.fetch_blocks(hashes)  # the store path, as before the hand-over existed
             self.fetched["store_blocks"] += sum(1 for b in blobs if b)
+            self.fetched["local_blocks"] += sum(1 for b in blobs if not b)
             return blobs, None
         local = await self.engine.call(self.engine.engine.cached_blocks, hashes)
         self.fetched["local_blocks"] += local
