@@ -205,7 +205,7 @@ class PeerPuller:
             asks = [(s, min(per, total - s)) for s in range(at, total, per)]
             short = False
             async for reply, (_, n) in self._ordered(worker, request_id, keys, asks):
-                if reply is None:
+                if reply is None or stop():  # gone, corrupt, or cancelled: what came so far is kept
                     short = True
                     break
                 got += reply.items

@@ -90,6 +90,18 @@ async def test_a_cancel_stops_the_pull_between_messages(nats_url: str) -> None:
         pulled = await puller.pull("p2", "r3", keys, 0, stop=lambda: True)  # cancelled after the first message
         assert pulled.blocks == data[:1] and pulled.snapshot is None
         await until(lambda: len(handovers) == 0, 10, "the done message")
+        handovers.open("r4", keys)
+        handovers.fill("r4", data, tail, b"", part_bytes=MiB)
+        asked = []
+
+        def cancelled() -> bool:  # the cancel lands after the third message
+            asked.append(1)
+            return len(asked) > 2
+
+        pulled = await puller.pull("p2", "r4", keys, 0, stop=cancelled)
+        assert len(pulled.blocks) < len(data) and pulled.blocks == data[: len(pulled.blocks)]
+        assert pulled.snapshot is None
+        await until(lambda: len(handovers) == 0, 10, "the done message")
     finally:
         await prefill.drain()
         await decode.drain()
