@@ -266,9 +266,12 @@ class PeerPuller:
         return reply
 
     def intact(self, reply: KvPeerReply, start: int) -> bool:
-        """Every item has its checksum, blocks (and the partial block) their size, and the reply is not empty."""
-        if not reply.items or len(reply.items) != len(reply.checksums) or reply.checksum not in CHECKSUMS:
+        """Every item has its checksum, blocks (and the partial block) their size, and the reply is not empty
+        but at the end."""
+        if len(reply.items) != len(reply.checksums) or reply.checksum not in CHECKSUMS:
             return False
+        if not reply.items:  # whole only where nothing is left (decode's own cache holds every block)
+            return start >= reply.blocks + reply.tail + reply.state_parts
         sized = reply.blocks + reply.tail  # items [0, sized) are blocks, full-size each
         for i, (item, crc) in enumerate(zip(reply.items, reply.checksums), start):
             if checksum(item, reply.checksum) != crc or (i < sized and len(item) != self._block_bytes):

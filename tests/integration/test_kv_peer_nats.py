@@ -44,6 +44,11 @@ async def test_a_pull_moves_blocks_and_snapshot_in_many_messages_and_ends_the_ha
         assert puller.counts["peer_blocks"] == 37
         await until(lambda: len(handovers) == 0, 10, "the done message")
         assert handovers.counts["ended_done"] == 1
+        handovers.open("r1b", keys)  # a block-aligned prompt whose blocks decode holds all of already
+        handovers.fill("r1b", data, b"", b"", part_bytes=MiB)
+        held_here = await puller.pull("p0", "r1b", keys, len(keys))
+        assert held_here.blocks == [] and held_here.snapshot == (b"", b"")
+        assert puller.counts["peer_corrupt"] == puller.counts["peer_failed"] == 0
     finally:
         await prefill.drain()
         await decode.drain()

@@ -38,6 +38,7 @@ def test_the_puller_rejects_a_flipped_byte_a_short_block_and_a_missing_checksum(
     assert not puller.intact(KvPeerReply(True, short, [checksum(i) for i in short], 3), 0)
     assert not puller.intact(KvPeerReply(True, good, [checksum(good[0])], 3), 0)
     assert not puller.intact(reply([], 3), 0)
+    assert puller.intact(reply([], 3), 3)  # nothing left past the blocks decode holds itself: whole, not corrupt
     # past the blocks and the partial block, state parts may have any length
     assert puller.intact(reply([good[0], b"state"], 1, tail=True, parts=1), 1)
     assert not puller.intact(reply([good[0], b"x"], 1, tail=True, parts=1), 0)  # a partial block is full-size
