@@ -16,6 +16,11 @@ Per layout (export / import: read_blocks / write_blocks alone, the engine's shar
     (b) get + import     KvClient.get_run of the run (served from the store's RAM tier), then write_blocks
     (c) hand-over        (a) then a lookup and (b): what lies between prefill's first token and decode's first
                          step on the store path (routing and the engine's own step excluded)
+    (c) peer             the same on the peer path (shared/kv_peer.py, the default --kv-handover): a prefill
+                         process (this file, --peer-child) exports the run with read_blocks into its hand-over
+                         when told (the job leaving), while decode pulls it over kv.peer.<worker> (4 MiB
+                         messages, 2 in flight, crc32 checked), then write_blocks: export + one NATS crossing +
+                         import, no store
     1 block latency      (a) and (b) for one block, median of --repeat
 
 Ceilings, same bytes, same run:
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import hashlib
 import os
 import platform
 import shutil
@@ -53,12 +59,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import natsserver  # noqa: E402
+from shared import natsserver, subjects  # noqa: E402
 from shared.bus import Bus, BusTimeout  # noqa: E402
 from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
+from shared.kv_peer import Handovers, PeerPuller  # noqa: E402
 from shared.kvclient import KvClient  # noqa: E402
+from shared.schemas.kv import KvPeerDone, KvPeerPull  # noqa: E402
 from shared.schemas.workers import HealthReply, HealthRequest  # noqa: E402
 from shared.service import health_subject  # noqa: E402
 
@@ -122,6 +130,7 @@ class Row:
     put_s: float  # (a)
     get_s: float  # (b)
     handover_s: float  # (c)
+    peer_s: float  # (c) on the peer path
     one_put_s: float
     one_get_s: float
     failed_puts: int
@@ -228,8 +237,75 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     mem = memcpy_s(nbytes, repeat)
     write, read = disk_s(directory, nbytes)
     wire = await nats_s(url, nbytes)
+    peer = await peer_path(url, layout, n, make)
     return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, put_s, get_s, put_s + get_s,
-               statistics.median(one_put), statistics.median(one_get), failed, n - got_back)
+               peer, statistics.median(one_put), statistics.median(one_get), failed, n - got_back)
+
+
+# --- the peer path (the hand-over straight from prefill to decode) -------------------------------------------------
+
+PEER = "bench-prefill"
+PEER_OPEN = "bench.peer.open"  # raw NATS: "hand over request <rid>" (in the mesh: the DecodeJob leaving prefill)
+
+
+def peer_keys(rid: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{rid}:{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+async def peer_path(url: str, layout: str, n: int, make: Callable[[int], Cache]) -> float:
+    """Seconds from "hand over" to the run imported at decode, the prefill side in its own process."""
+    child = subprocess.Popen([sys.executable, __file__, "--peer-child", url, layout, str(n)],
+                             stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+    assert child.stdout is not None
+    if child.stdout.readline().strip() != b"ready":
+        raise RuntimeError("the peer child did not come up")
+    dst = make(n)
+    bus = await Bus.connect(url, "bench-decode")
+    raw = await nats.connect(url)
+    try:
+        puller = PeerPuller(bus, dst.block_bytes, message_bytes=min(4 * MiB, bus.max_payload - 64 * 1024))
+        best = float("inf")
+        for attempt in range(2):
+            rid = f"bench-{attempt}"
+            keys = peer_keys(rid, n)
+            started = time.perf_counter()
+            await raw.request(PEER_OPEN, rid.encode(), timeout=30)
+            pulled = await puller.pull(PEER, rid, keys, 0)
+            dst.write_blocks(list(range(len(pulled.blocks))), pulled.blocks)
+            best = min(best, time.perf_counter() - started)
+            assert len(pulled.blocks) == n, f"the peer gave {len(pulled.blocks)} of {n} blocks"
+        return best
+    finally:
+        await raw.close()
+        await bus.drain()
+        child.terminate()
+        child.wait(30)
+
+
+async def peer_child(url: str, layout: str, n: int) -> None:
+    """The prefill side: a cache of `n` blocks, exported into a hand-over each time it is told to."""
+    src = LAYOUTS[layout][1](n)
+    handovers = Handovers()
+    bus = await Bus.connect(url, PEER)
+    raw = await nats.connect(url)
+
+    async def on_open(msg: nats.aio.msg.Msg) -> None:
+        rid = msg.data.decode()
+        handovers.open(rid, peer_keys(rid, n))
+        await msg.respond(b"ok")  # the job has left: decode may pull now, and waits for the export
+        blobs = await asyncio.to_thread(src.read_blocks, list(range(n)))  # prefill's engine thread
+        handovers.fill(rid, blobs, b"", b"", bus.max_payload - 64 * 1024)
+
+    async def on_done(done: KvPeerDone, _: object) -> None:
+        handovers.end(done.request_id, "done")
+
+    await bus.serve(subjects.kv_peer(PEER), KvPeerPull, handovers.serve)
+    await bus.subscribe(subjects.kv_peer_done(PEER), KvPeerDone, on_done)
+    await raw.subscribe(PEER_OPEN, cb=on_open)
+    await raw.flush()
+    await bus._nc.flush()  # noqa: SLF001 - subscribed at the server before the parent is told "ready"
+    print("ready", flush=True)
+    await asyncio.Event().wait()  # until terminated
 
 
 async def count_missing(kv: KvClient, keys: list[bytes]) -> int:
@@ -300,8 +376,9 @@ def table(rows: list[Row], slow: int) -> str:
     lines = [
         "| layout | tokens | blocks | MB | memcpy | disk write | disk read | nats | export | import "
         "| (a) export+put | (b) get+import "
-        "| (c) hand-over | (c) / memcpy | (c) / nats | 1 block put | 1 block get | failed puts | blocks not got back |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| (c) hand-over | (c) / memcpy | (c) / nats | (c) peer | peer / memcpy | store / peer "
+        "| 1 block put | 1 block get | failed puts | blocks not got back |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -312,6 +389,8 @@ def table(rows: list[Row], slow: int) -> str:
             f"| {r.get_s * 1e3:,.0f} ms ({rate(r.nbytes, r.get_s)}) "
             f"| {r.handover_s * 1e3:,.0f} ms ({rate(r.nbytes, r.handover_s)}) | {r.handover_s / r.memcpy_s:,.0f}x "
             f"| {r.handover_s / r.nats_s:,.1f}x "
+            f"| {r.peer_s * 1e3:,.0f} ms ({rate(r.nbytes, r.peer_s)}) | {r.peer_s / r.memcpy_s:,.0f}x "
+            f"| {r.handover_s / r.peer_s:,.1f}x "
             f"| {r.one_put_s * 1e3:.1f} ms | {r.one_get_s * 1e3:.1f} ms | {r.failed_puts} | {r.missing_gets} |"
         )
     lines.append(f"\nSlow-consumer disconnects in the nats-server log: {slow}")
@@ -333,6 +412,9 @@ def hardware() -> str:
 
 
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--peer-child":
+        asyncio.run(peer_child(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-tokens", type=int, default=8192, help="prompt length, Llama layout (0: skip)")
     parser.add_argument("--v4-tokens", type=int, default=77824, help="prompt length, V4 layout (0: skip)")

@@ -3,7 +3,8 @@
     gateway --prepare (req/reply)--> recipe --work.route.prefill (JetStream)--> balancer
     balancer --work.prefill.<worker> (JetStream)--> prefill --kv.* (req/reply)--> kvcache
     prefill --tokens.<rid> (core)--> recipe;  prefill --work.route.decode (JetStream)--> balancer
-    balancer --work.decode.<worker> (JetStream)--> decode --kv.get--> kvcache
+    balancer --work.decode.<worker> (JetStream)--> decode --kv.peer.<prefill> (req/reply)--> prefill
+                                                   decode --kv.get (what the peer could not give)--> kvcache
     decode --tokens.<rid> (core)--> recipe --events.<rid> (core)--> gateway
     anyone --requests.cancel (core, broadcast)--> everyone holding state for the request
     prefill/decode/kvcache --kv.events.<source> (core)--> balancer --kv.snapshot.<source> (req/reply)--> source
@@ -49,6 +50,16 @@ BALANCER_STATS = "balancer.stats"  # BalancerStats -> BalancerStatsReply, for /m
 def kv_snapshot(source: str) -> str:
     """KvSnapshotRequest -> KvSnapshot: every hash a KV event source holds (shared/schemas/events.py)."""
     return f"kv.snapshot.{source}"
+
+
+def kv_peer(worker_id: str) -> str:
+    """KvPeerPull -> KvPeerReply: a prefill worker hands a request's prompt KV to its decode worker."""
+    return f"kv.peer.{worker_id}"
+
+
+def kv_peer_done(worker_id: str) -> str:
+    """KvPeerDone (core): the decode worker's pull is over; the prefill worker drops the hand-over."""
+    return f"kv.peer.{worker_id}.done"
 
 
 def health(service: str) -> str:

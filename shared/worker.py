@@ -43,7 +43,18 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 ENDED_MEMORY_S = 300.0  # a cancel may overtake its job, a redelivery may follow its end: remember them this long
+HANDOVERS = ("peer", "store")  # --kv-handover
 STATE_PART_OVERHEAD = 64 * 1024  # room for the key, msgpack framing and trace headers around one state part
+
+
+@dataclass(frozen=True)
+class ExportedKv:
+    """A request's KV as bytes: full blocks from block `start` on, the partial last block, the model's state."""
+
+    start: int
+    blocks: list[bytes]
+    tail: bytes  # b"": the tokens end on a block boundary
+    state: bytes  # b"": a model without per-request state
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class WorkerConfig:
     speculative_tokens: int = 0
     gpu_memory_utilization: float | None = None  # share of the GPU this worker may fill; None = the engine's rule
     kv_transport: str = "nats"  # how KV bytes reach the kvcache service: shared/kvclient.py TRANSPORTS
+    kv_handover: str = "peer"  # prefill -> decode: "peer" (decode pulls from prefill, shared/kv_peer.py) | "store"
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
@@ -65,6 +77,8 @@ class WorkerConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"--kv-transport must be one of {sorted(TRANSPORTS)}")
+        if self.kv_handover not in HANDOVERS:
+            raise ValueError(f"--kv-handover must be one of {list(HANDOVERS)}")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
 
@@ -86,11 +100,15 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transport", default=os.environ.get("DEEPINFER_KV_TRANSPORT", "nats"),
                         help=f"how KV bytes reach the kvcache service: {' | '.join(TRANSPORTS)} (shm: shared "
                              "memory, worker and kvcache on one host; falls back to nats when the store cannot map it)")
+    parser.add_argument("--kv-handover", default=os.environ.get("DEEPINFER_KV_HANDOVER", "peer"),
+                        help="how a prompt's KV reaches decode: peer (decode pulls it from the prefill worker, the "
+                             "store still gets it for later turns; the store when the peer cannot give it) | store "
+                             "(through the kvcache service only)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
-                        args.speculative_tokens, args.gpu_memory_utilization, args.kv_transport)
+                        args.speculative_tokens, args.gpu_memory_utilization, args.kv_transport, args.kv_handover)
 
 
 class EngineWorker(ABC):
@@ -142,6 +160,8 @@ class EngineWorker(ABC):
             "free_blocks": stats.free_blocks,
             "total_blocks": stats.total_blocks,
         }
+        detail["held"] = stats.held
+        detail["handover"] = self.handover_counts()
         if self.worker.speculative_tokens:
             detail["mtp"] = {"drafted": stats.drafted, "accepted": stats.accepted}
         return True, orjson.dumps(detail).decode()
@@ -190,6 +210,7 @@ class EngineWorker(ABC):
         log.info("loaded %s in %.1fs on %s (%s)", self.model_name, time.monotonic() - started, engine.device,
                  str(engine.dtype).removeprefix("torch."))
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
+        await self.serve_handover()
         self._tasks.append(asyncio.create_task(self._heartbeat()))
         self._queue = await self.bus.work_queue(
             self.work_subject(),
@@ -252,6 +273,18 @@ class EngineWorker(ABC):
     @abstractmethod
     async def handle(self, job: Any, env: Envelope) -> None: ...
 
+    # --- the hand-over between prefill and decode (shared/kv_peer.py): each role fills in its side -------------
+
+    async def serve_handover(self) -> None:
+        """Once the engine is loaded, before the first job: subscribe to what the role's hand-over needs."""
+
+    def handover_counts(self) -> dict[str, int]:
+        """The hand-over's counters, for health."""
+        return {}
+
+    def on_cancel(self, request_id: str) -> None:
+        """A Cancel for a request this worker may hold outside the engine (a hand-over): let it go now."""
+
     def cancelled(self, request_id: str) -> bool:
         """Whether a Cancel ended the request: its handler stops at the next stage rather than start it."""
         return request_id in self._cancelled
@@ -277,6 +310,7 @@ class EngineWorker(ABC):
             return
         self._cancelled.add(request_id)
         self._end(request_id)
+        self.on_cancel(request_id)
         if request_id in self.active:
             log.info("cancel %s (%s)", request_id, cancel.reason)
             self._to_abort.add(request_id)
@@ -305,25 +339,47 @@ class EngineWorker(ABC):
         local = await self.engine.call(self.engine.engine.cached_blocks, hashes)
         return [b""] * local + await self.kv.get_run(hashes[local:])
 
-    async def store_kv(self, request_id: str, tokens: list[int], ns: bytes, hashes: list[bytes], stored: int
-                       ) -> bytes:
+    async def export_kv(self, request_id: str, tokens: int, start: int) -> ExportedKv:
+        """A held request's KV of its first `tokens` (all computed) as bytes, full blocks from block `start` on."""
+        assert self.engine is not None
+        engine = self.engine.engine
+        block = engine.block_tokens
+        full = tokens // block
+        blocks = await self.engine.call(engine.export_blocks, request_id, start, full) if full > start else []
+        tail = b""
+        if tokens % block:
+            (tail,) = await self.engine.call(engine.export_blocks, request_id, full, full + 1)
+        state = await self.engine.call(engine.export_state, request_id) if engine.has_request_state else b""
+        return ExportedKv(start, blocks, tail, state)
+
+    async def store_kv(self, request_id: str, tokens: list[int], ns: bytes, hashes: list[bytes], stored: int,
+                       exported: ExportedKv | None = None) -> bytes:
         """Put a held request's KV of `tokens` (all computed) in the kvcache service: its full blocks from block
         `stored` on (long-term, under `hashes`), and a snapshot at the end (short-term: the partial block and
-        the model's state). Returns the snapshot's key, b"" when there was nothing beyond full blocks, or when
-        a cancel ended the request on the way (what was stored stays: it is valid KV for the next request)."""
+        the model's state). `exported`: those bytes, exported already (from block `stored` or before; the
+        request need not be held then). Returns the snapshot's key, b"" when there was nothing beyond full
+        blocks, or when a cancel ended the request on the way (what was stored stays: it is valid KV for the
+        next request)."""
         assert self.engine is not None and self.kv is not None
         engine = self.engine.engine
         block = engine.block_tokens
         full = len(tokens) // block
         if full > stored and not self.cancelled(request_id):
-            blobs = await self.engine.call(engine.export_blocks, request_id, stored, full)
+            if exported is not None:
+                assert exported.start <= stored
+                blobs = exported.blocks[stored - exported.start :]
+            else:
+                blobs = await self.engine.call(engine.export_blocks, request_id, stored, full)
             await self.kv.put_many(list(zip(hashes[stored:full], blobs)))
         if self.cancelled(request_id):
             return b""
-        tail = b""
-        if len(tokens) % block:
-            (tail,) = await self.engine.call(engine.export_blocks, request_id, full, full + 1)
-        state = await self.engine.call(engine.export_state, request_id) if engine.has_request_state else b""
+        if exported is not None:
+            tail, state = exported.tail, exported.state
+        else:
+            tail = b""
+            if len(tokens) % block:
+                (tail,) = await self.engine.call(engine.export_blocks, request_id, full, full + 1)
+            state = await self.engine.call(engine.export_state, request_id) if engine.has_request_state else b""
         if (not tail and not state) or self.cancelled(request_id):
             return b""
         snap = short_term.Snapshot(len(tokens), tail, state)

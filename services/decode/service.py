@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import logging
 
+from collections import Counter
+
 from shared import hashing, short_term
 from shared.bus import Envelope
+from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
+from shared.kv_peer import PeerPuller
+from shared.kvclient import MESSAGE_OVERHEAD, MiB
 from shared.schemas.generate import DecodeJob, TokenEvent
-from shared.worker import EngineWorker
+from shared.worker import EngineWorker, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,18 +30,27 @@ class DecodeService(EngineWorker):
     role = "decode"
     job_type = DecodeJob
 
+    def __init__(self, config: ServiceConfig, worker: WorkerConfig) -> None:
+        super().__init__(config, worker)
+        self.peers: PeerPuller | None = None  # pulls from prefill workers' hand-overs (shared/kv_peer.py)
+        self.fetched: Counter[str] = Counter()  # prompt blocks from the own cache, the store (the peer's: peers)
+
     async def handle(self, job: DecodeJob, env: Envelope) -> None:
         assert self.engine is not None and self.kv is not None and self.bus is not None
         engine = self.engine.engine
         req = job.request
         prompt = req.prompt_ids
-        blobs = await self.fetch_blocks(job.block_hashes)
+        blobs, snap = await self._prompt_kv(job)
         prefix_tokens, state = len(blobs) * engine.block_tokens, b""
-        if job.snapshot_key and len(blobs) == len(job.block_hashes):
-            snap = await short_term.load(self.kv, job.snapshot_key)
-            if snap is not None and snap.length == len(prompt):
-                blobs += [snap.tail] if snap.tail else []
-                prefix_tokens, state = snap.length, snap.state  # V4: rings there (else: bounded replay)
+        if len(blobs) == len(job.block_hashes):
+            if snap is None and job.snapshot_key:
+                stored = await short_term.load(self.kv, job.snapshot_key)
+                if stored is not None and stored.length == len(prompt):
+                    snap = stored.tail, stored.state
+            if snap is not None:
+                tail, state = snap
+                blobs += [tail] if tail else []
+                prefix_tokens = len(prompt)  # V4: rings there (else: bounded replay)
         if prefix_tokens < len(prompt):
             log.info("%s: %d of %d prompt tokens not in the store, recomputing", req.request_id,
                      len(prompt) - prefix_tokens, len(prompt))
@@ -76,3 +90,36 @@ class DecodeService(EngineWorker):
             await self.engine.call(engine.release, req.request_id)
         if finish_reason is None:
             log.info("%s: aborted after %d tokens", req.request_id, index)
+
+    async def _prompt_kv(self, job: DecodeJob) -> tuple[list[bytes], tuple[bytes, bytes] | None]:
+        """The leading run of the prompt's full blocks this worker can have (b"" for those its own prefix cache
+        holds, then the prefill peer's, then the store's), and the snapshot at the prompt's end (partial block,
+        model state) when the peer gave it whole. Each source only continues where the one before stopped."""
+        assert self.engine is not None and self.kv is not None
+        hashes = job.block_hashes
+        rid = job.request.request_id
+        if job.peer_lease_s <= 0 or self.peers is None:
+            blobs = await self.fetch_blocks(hashes)  # the store path, as before the hand-over existed
+            self.fetched["store_blocks"] += sum(1 for b in blobs if b)
+            self.fetched["local_blocks"] += sum(1 for b in blobs if not b)
+            return blobs, None
+        local = await self.engine.call(self.engine.engine.cached_blocks, hashes)
+        self.fetched["local_blocks"] += local
+        pulled = await self.peers.pull(job.prefill_worker, rid, hashes, local, lambda: self.cancelled(rid))
+        blobs, snap = [b""] * local + pulled.blocks, pulled.snapshot
+        if len(blobs) < len(hashes) and not self.cancelled(rid):
+            snap = None  # a snapshot only goes on top of every block
+            got = await self.kv.get_run(hashes[len(blobs) :])
+            self.fetched["store_blocks"] += len(got)
+            blobs += got
+        return blobs, snap
+
+    # --- the hand-over's decode side (shared/kv_peer.py) ----------------------------------------------------------
+
+    async def serve_handover(self) -> None:
+        assert self._kv_bus is not None and self.engine is not None
+        message = min(4 * MiB, self._kv_bus.max_payload - MESSAGE_OVERHEAD)
+        self.peers = PeerPuller(self._kv_bus, self.engine.engine.block_bytes, message_bytes=message)
+
+    def handover_counts(self) -> dict[str, int]:
+        return {**self.fetched, **(self.peers.counts if self.peers is not None else {})}

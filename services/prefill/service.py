@@ -2,9 +2,11 @@
 
 For each job: find what the kvcache service already has of the prompt (the longest run of full blocks, and the
 longest short-term snapshot on top of it: a previous turn's end, shared/short_term.py), import that, compute the
-rest (chunked, batched with other prompts), sample the first token and send it to the client at once, then
-store the new full blocks under their chained hashes and a snapshot at the prompt's end (partial last block +
-the model's per-request state), and hand the request to the decode balancer.
+rest (chunked, batched with other prompts), sample the first token, hand the request to the decode balancer
+and send the token to the client, export the prompt's KV once and hold those bytes for the decode worker's pull
+(shared/kv_peer.py: until it says done, a lease ends or a cancel comes), and store the new full blocks under
+their chained hashes and a snapshot at the prompt's end (partial last block + the model's per-request state)
+for later turns. With `--kv-handover store` the job goes after the store instead, and decode reads it there.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import time
 
 from shared import hashing, short_term, subjects
 from shared.bus import Envelope
+from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
-from shared.schemas.generate import DecodeJob, PrefillJob, TokenEvent
-from shared.worker import EngineWorker
+from shared.kv_peer import Handovers
+from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent
+from shared.schemas.kv import KvPeerDone, KvPeerPull
+from shared.worker import EngineWorker, ExportedKv, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +31,10 @@ LEASE_S = 10.0  # how long the store keeps a looked-up run for this worker's get
 class PrefillService(EngineWorker):
     role = "prefill"
     job_type = PrefillJob
+
+    def __init__(self, config: ServiceConfig, worker: WorkerConfig) -> None:
+        super().__init__(config, worker)
+        self.handovers = Handovers()  # prompts' KV held for their decode workers' pulls (shared/kv_peer.py)
 
     async def handle(self, job: PrefillJob, env: Envelope) -> None:
         assert self.engine is not None and self.kv is not None and self.bus is not None
@@ -51,6 +60,7 @@ class PrefillService(EngineWorker):
             hold_kv=True,
         )
         first = None
+        peer = self.worker.kv_handover == "peer"
         try:
             async for out in self.engine.generate(engine_req):
                 if out.token_ids:
@@ -60,37 +70,90 @@ class PrefillService(EngineWorker):
             token = first.token_ids[0]
             # The engine ran with max_new_tokens=1, so it says "length" unless the token itself ends the request.
             finished = first.finish_reason == "stop" or req.sampling.max_tokens <= 1
-            await self.publish_tokens(
-                TokenEvent(
-                    request_id=req.request_id,
-                    index=0,
-                    token_ids=[token],
-                    finish_reason=("stop" if req.sampling.max_tokens > 1 else "length") if finished else None,
-                    prompt_tokens=len(prompt),
-                    cached_tokens=first.num_cached_tokens,
-                ),
-                env,
+            event = TokenEvent(
+                request_id=req.request_id,
+                index=0,
+                token_ids=[token],
+                finish_reason=("stop" if req.sampling.max_tokens > 1 else "length") if finished else None,
+                prompt_tokens=len(prompt),
+                cached_tokens=first.num_cached_tokens,
             )
-            if finished:
-                return
-            started = time.monotonic()
-            stored = prefix_tokens // block  # full blocks that came from the store
-            key = await self.store_kv(req.request_id, prompt, ns, hashes, stored)
-            log.debug("%s: stored %d blocks in %.3fs", req.request_id, len(hashes) - stored,
-                      time.monotonic() - started)
+            if finished or self.cancelled(req.request_id):
+                if finished:
+                    await self.publish_tokens(event, env)
+                return  # cancelled after the last step: nothing to hand over
+            if not peer:  # the store path: store from the held request, then hand the job on
+                await self.publish_tokens(event, env)
+                key = await self._store(req.request_id, prompt, ns, hashes, prefix_tokens // block)
+            else:
+                # Decode pulls the KV from here while the store gets it: the job leaves now, before the first
+                # token (a worker that dies once the client has its first token has handed the job on), under
+                # the snapshot's key to be (content-addressed: decode's fallback finds it once stored).
+                self.handovers.open(req.request_id, hashes)
+                await self._hand_over(req, token, hashes, self._snapshot_key(prompt, ns, hashes),
+                                      first.num_cached_tokens, self.handovers.lease_s)
+                await self.publish_tokens(event, env)
+                exported = await self.export_kv(req.request_id, len(prompt), 0)
+                self.handovers.fill(req.request_id, exported.blocks, exported.tail, exported.state,
+                                    self.state_part_bytes())
+        except BaseException:
+            # failed or cancelled before the bytes were in (a cancel ended it already): a pull that waits for
+            # them answers "not found" now, not when the lease ends
+            self.handovers.end(req.request_id, "failed")
+            raise
         finally:
             await self.engine.call(engine.release, req.request_id)
-        if self.cancelled(req.request_id):
-            return  # cancelled during the store: nobody is waiting for a decode
+        if peer:  # from the exported bytes: the engine's blocks are free for the next prompt already
+            await self._store(req.request_id, prompt, ns, hashes, prefix_tokens // block, exported)
+        elif not self.cancelled(req.request_id):  # cancelled during the store: nobody waits for a decode
+            await self._hand_over(req, token, hashes, key, first.num_cached_tokens, 0.0)
+
+    async def _store(self, request_id: str, prompt: list[int], ns: bytes, hashes: list[bytes], stored: int,
+                     exported: ExportedKv | None = None) -> bytes:
+        """store_kv, timed for the log; `stored`: the leading full blocks that came from the store."""
+        started = time.monotonic()
+        key = await self.store_kv(request_id, prompt, ns, hashes, stored, exported)
+        log.debug("%s: stored %d blocks in %.3fs", request_id, len(hashes) - stored, time.monotonic() - started)
+        return key
+
+    async def _hand_over(self, req: GenerateRequest, token: int, hashes: list[bytes], key: bytes, cached: int,
+                         lease_s: float) -> None:
+        assert self.bus is not None
         handoff = DecodeJob(
             request=req,
             first_token=token,
             block_hashes=hashes,
             snapshot_key=key,
-            cached_tokens=first.num_cached_tokens,
+            cached_tokens=cached,
             prefill_worker=self.config.instance,
+            peer_lease_s=lease_s,
         )
         await self.bus.submit(subjects.ROUTE_DECODE, handoff, msg_id=f"{req.request_id}:handoff")
+
+    def _snapshot_key(self, prompt: list[int], ns: bytes, hashes: list[bytes]) -> bytes:
+        """The key store_kv will save the prompt's snapshot under (b"": it saves none)."""
+        assert self.engine is not None
+        engine = self.engine.engine
+        if not len(prompt) % engine.block_tokens and not engine.has_request_state:
+            return b""
+        return short_term.key_for(prompt, ns, hashes, len(prompt), engine.block_tokens)
+
+    # --- the hand-over's prefill side (shared/kv_peer.py) ---------------------------------------------------------
+
+    async def serve_handover(self) -> None:
+        assert self._kv_bus is not None
+        # on the KV connection: megabytes of replies never queue with heartbeats, tokens and acks
+        await self._kv_bus.serve(subjects.kv_peer(self.config.instance), KvPeerPull, self.handovers.serve)
+        await self._kv_bus.subscribe(subjects.kv_peer_done(self.config.instance), KvPeerDone, self._on_peer_done)
+
+    async def _on_peer_done(self, done: KvPeerDone, _: Envelope) -> None:
+        self.handovers.end(done.request_id, "done")
+
+    def on_cancel(self, request_id: str) -> None:
+        self.handovers.end(request_id, "cancelled")
+
+    def handover_counts(self) -> dict[str, int]:
+        return {**self.handovers.counts, "leases": len(self.handovers)}
 
     async def _restore(self, prompt: list[int], ns: bytes, hashes: list[bytes]) -> tuple[list[bytes], int, bytes]:
         """(blobs, tokens they cover, model state) of the longest prefix the store can give back. The last

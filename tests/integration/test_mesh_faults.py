@@ -1,5 +1,6 @@
 """Faults under load, through the whole mesh: the kvcache service SIGKILLed while requests stream; the last
-decode worker SIGKILLed (readiness says so until the launcher has it back).
+decode worker SIGKILLed (readiness says so until the launcher has it back); the prefill worker SIGKILLed in the
+middle of its hand-over to decode (shared/kv_peer.py), and hang-ups during hand-overs.
 
 The store is an optimisation, never a dependency: prefill and decode read a dead store as misses and recompute,
 so no request fails; the launcher restarts the service (as compose's `restart: unless-stopped` would), and its
@@ -74,6 +75,37 @@ def _kvcache_pid(mesh: Mesh) -> int:
     return _service_pid(mesh, "kvcache")
 
 
+def _handover(mesh: Mesh, role: str) -> dict[str, int]:
+    return asyncio.run(_worker_health(mesh.nats_url, role))["handover"]
+
+
+def test_a_conversation_hands_its_prompt_kv_from_prefill_to_decode_directly(mesh: Mesh) -> None:
+    """Two turns: each turn's decode pulls the prompt's blocks it lacks from the prefill worker (not the store),
+    every hand-over ends by decode's done (none left to its lease), and the store still gets every block."""
+    before = {role: _handover(mesh, role) for role in ("prefill", "decode")}
+    stored_before = asyncio.run(_kv_counts(mesh.nats_url, "prefill")).get("blocks_put", 0)
+    client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="k", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": f"{STORY} How many ships on line 4?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And on line 9? " + STORY[:400]}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    after = {role: _handover(mesh, role) for role in ("prefill", "decode")}
+    delta = {role: {k: v - before[role].get(k, 0) for k, v in after[role].items()} for role in after}
+    prompt_blocks = first.usage.prompt_tokens // 16 + second.usage.prompt_tokens // 16
+    decode, prefill = delta["decode"], delta["prefill"]
+    # every prompt block came from decode's own cache (the first turn's, in the second) or from the peer
+    assert decode["peer_blocks"] > 0 and decode["peer_blocks"] + decode["local_blocks"] >= prompt_blocks, delta
+    assert decode.get("store_blocks", 0) == decode.get("peer_failed", 0) == decode.get("peer_corrupt", 0) == 0
+    assert prefill["blocks_served"] == decode["peer_blocks"], delta
+    assert prefill["ended_done"] == 2 and prefill.get("ended_expired", 0) == 0, delta
+    assert after["prefill"]["leases"] == 0
+    stored = asyncio.run(_kv_counts(mesh.nats_url, "prefill")).get("blocks_put", 0) - stored_before
+    assert stored > 0  # the store still gets the blocks, for later turns elsewhere
+    assert "recomputing" not in (mesh.state_dir / "logs" / "decode-0.log").read_text()
+
+
 def test_killing_the_kvcache_service_under_load_fails_no_request(mesh: Mesh) -> None:
     client = openai.AsyncOpenAI(base_url=f"{mesh.base_url}/v1", api_key="k", max_retries=0, timeout=120)
 
@@ -137,7 +169,8 @@ def test_a_storm_of_hang_ups_frees_every_block_and_redelivers_nothing(mesh: Mesh
         deadline = time.monotonic() + 60  # a bound on a failure, not the expectation (seconds)
         while True:
             reports = {role: await _worker_health(mesh.nats_url, role) for role in logs}
-            if all(r["active"] == 0 and r["free_blocks"] == r["total_blocks"] for r in reports.values()):
+            if all(r["active"] == 0 and r["free_blocks"] == r["total_blocks"] and r["held"] == 0
+                   and r["handover"].get("leases", 0) == 0 for r in reports.values()):
                 return reports
             if time.monotonic() > deadline:
                 return reports
@@ -148,10 +181,16 @@ def test_a_storm_of_hang_ups_frees_every_block_and_redelivers_nothing(mesh: Mesh
             await asyncio.gather(*(hang_up(session, i) for i in range(30)))
         return await settled()
 
+    expired = _handover(mesh, "prefill").get("ended_expired", 0)
     reports = asyncio.run(scenario())
     for role, report in reports.items():
         assert report["active"] == 0, (role, report)
         assert report["free_blocks"] == report["total_blocks"], (role, report)
+        assert report["held"] == 0, (role, report)  # no request held in an engine: nor in prefill's hand-over
+    # the hang-ups after the first token cancelled their hand-overs (or decode finished its pull): none is left
+    # to its lease
+    assert reports["prefill"]["handover"]["leases"] == 0, reports["prefill"]
+    assert reports["prefill"]["handover"].get("ended_expired", 0) == expired, reports["prefill"]
     time.sleep(2.0)  # a cancel that raised would nak with a 1 s delay: give it the time to show
     for role, path in logs.items():
         with path.open("rb") as f:
@@ -190,3 +229,38 @@ def test_readiness_follows_the_last_decode_worker(mesh: Mesh) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert any("decode-0 exited" in line for line in mesh.output)
+
+
+def test_a_prefill_worker_killed_right_after_the_first_token_still_gets_the_right_answer(mesh: Mesh) -> None:
+    """SIGKILL the prefill worker the moment the client has its first token, in the middle of the hand-over (a
+    1,500-token prompt: ~70 MB of KV to pull): decode takes what the peer did not give from the store or
+    recomputes it, within its pull timeouts, and answers what a healthy mesh answers."""
+    story = " ".join(f"Entry {i}: the harbour master logged {i * 3} boats." for i in range(110))
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": story + " How many boats in entry 5?"}]}
+    decode_before = _handover(mesh, "decode")
+    pid = _service_pid(mesh, "prefill")
+
+    async def streamed(kill: bool) -> str:
+        text = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            async with session.post(f"{mesh.base_url}/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    content = "".join(c["delta"].get("content") or "" for c in orjson.loads(line[6:])["choices"])
+                    if kill and content and not text:  # the first token (not the role chunk before it)
+                        os.kill(pid, signal.SIGKILL)
+                    text += [content] if content else []
+        return "".join(text)
+
+    killed = asyncio.run(streamed(kill=True))
+    decode_after = _handover(mesh, "decode")
+    assert any("prefill-0 exited" in line for line in mesh.output)
+    assert _health_until(mesh, 200, 180)[0] == 200  # the launcher has a prefill worker back
+    assert _service_pid(mesh, "prefill") != pid
+    healthy = asyncio.run(streamed(kill=False))
+    assert killed == healthy and healthy
+    # the pull did not complete from the dead peer: the store or recompute filled in
+    assert decode_after.get("peer_failed", 0) > decode_before.get("peer_failed", 0), (decode_before, decode_after)

@@ -1,0 +1,279 @@
+"""The hand-over: decode pulls a request's prompt KV straight from the prefill worker that computed it, so decode
+starts as soon as the bytes land instead of after a put into the kvcache service and a get back out of it.
+
+    prefill: first token -> DecodeJob(peer_lease_s) submitted -> export the KV once -> Handover filled
+             -> the same bytes put into the store (for later turns) -> wait until the hand-over ends
+    decode:  kv.peer.<prefill worker> pulls, many items a message, a few in flight, each item checked
+             -> what did not come (a dead peer, a corrupt item, an expired lease): the store, then recompute
+
+A hand-over's items, in order: the prompt's full blocks 0..n-1, its partial last block (when the prompt does not
+end on a block boundary), then the model's per-request state in parts of at most one message each. Every reply
+carries a checksum of each item (checked at decode, with each block's length: xxh3 where installed, else crc32);
+the pull names the block hashes it expects (checked at prefill), so a pull never gets another request's bytes.
+
+A hand-over ends, and its bytes are dropped, at the first of: decode's `done` (sent however its pull ended),
+its lease (`lease_s` after it opened: a decode worker that never comes), a cancel of the request. Nothing
+outlives the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from shared import subjects
+from shared.bus import Bus, BusTimeout
+from shared.schemas.kv import KvPeerDone, KvPeerPull, KvPeerReply
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 15.0  # how long a prefill worker holds a hand-over for a decode worker that has not said done
+FIRST_PULL_TIMEOUT_S = 10.0  # the first pull may wait for prefill's export of the whole prompt
+PULL_TIMEOUT_S = 5.0  # each later pull: a peer silent this long is taken for dead (the store takes over)
+
+
+def _xxh3() -> Callable[[bytes], int] | None:
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return xxhash.xxh3_64_intdigest
+
+
+# Item checksums by name. crc32 is everywhere but runs at a few hundred MB/s in Python on a busy CPU, a real share
+# of a hand-over; xxh3 runs at memory speed where the xxhash package is installed. A pull names the one its
+# worker prefers; the peer answers in it if it has it, else in crc32.
+CHECKSUMS: dict[str, Callable[[bytes], int]] = {"crc32": zlib.crc32}
+if (_fast := _xxh3()) is not None:
+    CHECKSUMS["xxh3"] = _fast
+PREFERRED = "xxh3" if "xxh3" in CHECKSUMS else "crc32"
+
+
+def checksum(item: bytes, kind: str = "crc32") -> int:
+    return CHECKSUMS[kind](item)
+
+
+# --- prefill side --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Handover:
+    """One request's prompt KV, held for its decode worker."""
+
+    keys: list[bytes]  # the prompt's full-block hashes: a pull must name the same
+    items: list[bytes] = field(default_factory=list)
+    blocks: int = 0
+    tail: bool = False
+    state_parts: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # items filled in
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Handovers:
+    """A prefill worker's hand-overs in flight, by request id, each ended by done, its lease or a cancel."""
+
+    def __init__(self, lease_s: float = LEASE_S) -> None:
+        self.lease_s = lease_s
+        self._open: dict[str, Handover] = {}
+        self.counts: Counter[str] = Counter()  # blocks served, and how hand-overs ended, for health
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def open(self, request_id: str, keys: list[bytes]) -> Handover:
+        """Start holding `request_id`'s hand-over (filled later); its lease starts now."""
+        self.end(request_id, "replaced")  # a redelivered prefill job: the newest wins
+        handover = Handover(list(keys))
+        handover.timer = asyncio.get_running_loop().call_later(self.lease_s, self.end, request_id, "expired")
+        self._open[request_id] = handover
+        self.counts["opened"] += 1
+        return handover
+
+    def fill(self, request_id: str, blocks: list[bytes], tail: bytes, state: bytes, part_bytes: int) -> None:
+        """The exported KV: full blocks, the partial last block (b"": none), the model state (b"": none)."""
+        handover = self._open.get(request_id)
+        if handover is None:
+            return  # ended already (cancelled, expired during the export): drop the bytes
+        assert part_bytes > 0
+        parts = [state[at : at + part_bytes] for at in range(0, len(state), part_bytes)]
+        handover.items = [*blocks, *([tail] if tail else []), *parts]
+        handover.blocks, handover.tail, handover.state_parts = len(blocks), bool(tail), len(parts)
+        handover.ready.set()
+
+    def end(self, request_id: str, why: str) -> None:
+        handover = self._open.pop(request_id, None)
+        if handover is None:
+            return
+        if handover.timer is not None:
+            handover.timer.cancel()
+        handover.items = []  # the bytes go now, whoever still holds the object
+        handover.ready.set()  # a pull waiting for the export answers "not found"
+        handover.ended.set()
+        self.counts[f"ended_{why}"] += 1
+
+    async def serve(self, pull: KvPeerPull) -> KvPeerReply:
+        """Items from `pull.start`, as many as fit `pull.max_bytes` (at least one), once the export is in."""
+        handover = self._open.get(pull.request_id)
+        if handover is None:
+            return KvPeerReply(found=False)
+        if not handover.ready.is_set():
+            await handover.ready.wait()  # bounded: the lease ends it (end() sets ready)
+        if self._open.get(pull.request_id) is not handover:
+            return KvPeerReply(found=False)
+        expected = handover.keys[pull.start : pull.start + len(pull.keys)]
+        if list(pull.keys) != expected or pull.start > len(handover.items):
+            self.counts["refused"] += 1
+            return KvPeerReply(found=False)
+        items = pick(handover.items, pull.start, pull.max_bytes, pull.count)
+        self.counts["blocks_served"] += max(0, min(pull.start + len(items), handover.blocks) - pull.start)
+        kind = pull.checksum if pull.checksum in CHECKSUMS else "crc32"
+        return KvPeerReply(True, items, [checksum(i, kind) for i in items], handover.blocks, handover.tail,
+                           handover.state_parts, kind)
+
+
+def pick(items: Sequence[bytes], start: int, max_bytes: int, count: int = 0) -> list[bytes]:
+    """items[start:], as many as fit max_bytes (the first always), at most `count` (0: no bound)."""
+    out: list[bytes] = []
+    size = 0
+    for item in items[start:]:
+        if out and (size + len(item) > max_bytes or len(out) == count):
+            break
+        out.append(item)
+        size += len(item)
+    return out
+
+
+# --- decode side ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What a pull got: the leading run of full blocks from `start` (checked), and the snapshot at the prompt's
+    end (partial block, model state) when every item arrived; None otherwise (the store's, or recompute)."""
+
+    blocks: list[bytes]
+    snapshot: tuple[bytes, bytes] | None
+
+
+class PeerPuller:
+    """A decode worker's pulls from prefill workers, over its KV connection: at most `window` messages of
+    `message_bytes` in flight in all."""
+
+    def __init__(self, bus: Bus, block_bytes: int, *, message_bytes: int, window: int = 2,
+                 first_timeout: float = FIRST_PULL_TIMEOUT_S, timeout: float = PULL_TIMEOUT_S) -> None:
+        self._bus = bus
+        self._block_bytes = block_bytes
+        self._message_bytes = message_bytes
+        self._window = max(1, window)
+        # replies in flight over all this worker's pulls at once, not per pull: the server cuts a connection that
+        # has 32 MiB pending as a slow consumer (issue 11), and a decode worker takes many jobs at once
+        self._slots = asyncio.Semaphore(self._window)
+        self._first_timeout = first_timeout
+        self._timeout = timeout
+        self.counts: Counter[str] = Counter()  # peer_blocks, peer_failed, peer_corrupt: for health
+
+    async def pull(self, worker: str, request_id: str, keys: Sequence[bytes], start: int,
+                   stop: Callable[[], bool] = lambda: False) -> Pulled:
+        """Blocks keys[start:] and the snapshot from `worker`'s hand-over of `request_id`; `stop()` true (a
+        cancel) ends it between messages. Always tells the peer it is over, so it lets go at once."""
+        try:
+            return await self._pull(worker, request_id, keys, start, stop)
+        finally:
+            try:
+                await self._bus.publish(subjects.kv_peer_done(worker), KvPeerDone(request_id))
+            except Exception as exc:  # the lease ends it anyway
+                log.debug("%s: peer done not sent: %s", request_id, exc)
+
+    async def _pull(self, worker: str, request_id: str, keys: Sequence[bytes], start: int,
+                    stop: Callable[[], bool]) -> Pulled:
+        # one item first, outside the window: it waits for prefill's export, and says how much there is
+        first = await self._ask(worker, request_id, keys, start, 1, self._first_timeout, slot=False)
+        if first is None:
+            self.counts["peer_failed"] += 1
+            return Pulled([], None)
+        blocks = first.blocks
+        total = blocks + first.tail + first.state_parts
+        got = list(first.items)
+        while start + len(got) < total and not stop():
+            at = start + len(got)
+            per = max(1, self._message_bytes // max(1, len(first.items[0])))
+            asks = [(s, min(per, total - s)) for s in range(at, total, per)]
+            short = False
+            async for reply, (_, n) in self._ordered(worker, request_id, keys, asks):
+                if reply is None or stop():  # gone, corrupt, or cancelled: what came so far is kept
+                    short = True
+                    break
+                got += reply.items
+                if len(reply.items) < n:
+                    break  # bigger items than the first message's (state parts): ask again from here
+            if short:
+                break
+        run = got[: blocks - start]
+        self.counts["peer_blocks"] += len(run)
+        if start + len(got) < total:
+            self.counts["peer_failed"] += 1
+            return Pulled(run, None)
+        rest = got[blocks - start :]
+        tail = rest[0] if first.tail else b""
+        return Pulled(run, (tail, b"".join(rest[1 if first.tail else 0 :])))
+
+    async def _ordered(self, worker: str, request_id: str, keys: Sequence[bytes], asks: list[tuple[int, int]]
+                       ) -> AsyncIterator[tuple[KvPeerReply | None, tuple[int, int]]]:
+        """The replies to `asks` ((start, count) pairs) in order, at most `window` in flight; leaving early
+        cancels the rest."""
+        flying: deque[tuple[tuple[int, int], asyncio.Future[KvPeerReply | None]]] = deque()
+        try:
+            for ask in asks:
+                if len(flying) >= self._window:
+                    done_ask, task = flying.popleft()
+                    yield await task, done_ask
+                s, n = ask
+                flying.append((ask, asyncio.ensure_future(self._ask(worker, request_id, keys, s, n, self._timeout,
+                                                                    slot=True))))
+            while flying:
+                done_ask, task = flying.popleft()
+                yield await task, done_ask
+        finally:
+            for _, task in flying:
+                task.cancel()
+
+    async def _ask(self, worker: str, request_id: str, keys: Sequence[bytes], start: int, count: int,
+                   timeout: float, *, slot: bool) -> KvPeerReply | None:
+        """One pull (with `slot`: inside the worker's window); None when the peer is gone, has no such hand-over,
+        or sent an item that fails its check."""
+        pull = KvPeerPull(request_id, start, list(keys[start : start + count]), self._message_bytes, count,
+                          PREFERRED)
+        try:
+            if slot:
+                async with self._slots:
+                    reply = await self._bus.request(subjects.kv_peer(worker), pull, KvPeerReply, timeout=timeout)
+            else:
+                reply = await self._bus.request(subjects.kv_peer(worker), pull, KvPeerReply, timeout=timeout)
+        except BusTimeout as exc:
+            log.info("%s: peer %s did not answer (%s): the store takes over", request_id, worker, exc)
+            return None
+        if not reply.found:
+            return None
+        if not self.intact(reply, start):
+            log.warning("%s: a corrupt item from peer %s: the store takes over", request_id, worker)
+            self.counts["peer_corrupt"] += 1
+            return None
+        return reply
+
+    def intact(self, reply: KvPeerReply, start: int) -> bool:
+        """Every item has its checksum, blocks (and the partial block) their size, and the reply is not empty
+        but at the end."""
+        if len(reply.items) != len(reply.checksums) or reply.checksum not in CHECKSUMS:
+            return False
+        if not reply.items:  # whole only where nothing is left (decode's own cache holds every block)
+            return start >= reply.blocks + reply.tail + reply.state_parts
+        sized = reply.blocks + reply.tail  # items [0, sized) are blocks, full-size each
+        for i, (item, crc) in enumerate(zip(reply.items, reply.checksums), start):
+            if checksum(item, reply.checksum) != crc or (i < sized and len(item) != self._block_bytes):
+                return False
+        return True

@@ -1,0 +1,154 @@
+"""Prefill's side of the hand-over, against the real prefill handler on a tiny real engine (the bus and the KV
+store are recording fakes): on the peer path the job leaves before the first token and before the store, the
+KV waits in a hand-over, not in the engine; on the store path the job leaves after the store; a cancel during
+the hand-over leaves nothing held anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.prefill.service import PrefillService
+from shared import subjects
+from shared.config import ServiceConfig
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import Engine
+from shared.engine.loader import LoadedModel
+from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
+from shared.schemas.kv import KvLookupReply, KvPeerPull
+from shared.worker import WorkerConfig
+from tests.unit.test_engine_tiny import checkpoint, loaded  # noqa: F401  (fixtures)
+from tests.unit.test_worker_cancel import ENV
+
+PROMPT = 40  # two full blocks of 16 and a partial one
+
+
+@dataclass
+class FakeBus:
+    """Records what is published and submitted, in order."""
+
+    sent: list[tuple[str, Any]] = field(default_factory=list)
+    max_payload: int = 1 << 20
+
+    async def publish(self, subject: str, message: Any, **kwargs: Any) -> None:
+        self.sent.append((subject, message))
+
+    async def submit(self, subject: str, message: Any, **kwargs: Any) -> None:
+        self.sent.append((subject, message))
+
+
+class FakeKv:
+    """An empty store that stores; its puts wait at a gate when one is set."""
+
+    def __init__(self, bus: FakeBus) -> None:
+        self.bus = bus
+        self.gate: asyncio.Event | None = None
+        self.entered = asyncio.Event()
+        self.keys: list[bytes] = []
+
+    async def lookup_run(self, hashes: list[bytes], lease_s: float = 0.0) -> KvLookupReply:
+        return KvLookupReply(hits=0)
+
+    async def get_run(self, keys: list[bytes]) -> list[bytes]:
+        return []
+
+    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    async def put_many(self, items: list[tuple[bytes, bytes]], ttl_s: float = 0.0) -> bool:
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        self.bus.sent.append(("put", len(items)))
+        self.keys += [key for key, _ in items]
+        return True
+
+
+def prefill(checkpoint: Path, loaded: LoadedModel, handover: str) -> PrefillService:  # noqa: F811
+    config = ServiceConfig("nats://127.0.0.1:4222", "prefill-test", Path("."), str(checkpoint))
+    svc = PrefillService(config, WorkerConfig("cpu", 256, 512, 32, kv_handover=handover))
+    svc.bus = FakeBus()  # type: ignore[assignment]
+    svc.kv = FakeKv(svc.bus)  # type: ignore[arg-type, assignment]
+    svc.engine = AsyncEngine(Engine(loaded, device="cpu", dtype=torch.float32, kv_blocks=256, max_running=32))
+    svc.engine.start()
+    return svc
+
+
+def job(rid: str) -> PrefillJob:
+    return PrefillJob(GenerateRequest(rid, "m", [1 + i % 300 for i in range(PROMPT)], SamplingParams(max_tokens=8)),
+                      "prefill-test")
+
+
+def kinds(svc: PrefillService) -> list[str]:
+    bus: FakeBus = svc.bus  # type: ignore[assignment]
+    out = []
+    for subject, message in bus.sent:
+        out.append("job" if isinstance(message, DecodeJob) else "token" if isinstance(message, TokenEvent)
+                   else subject)
+    return [k for k in out if k in ("job", "token", "put")]
+
+
+def decode_job(svc: PrefillService) -> DecodeJob:
+    bus: FakeBus = svc.bus  # type: ignore[assignment]
+    (found,) = [m for s, m in bus.sent if s == subjects.ROUTE_DECODE]
+    return found
+
+
+async def held(svc: PrefillService) -> int:
+    assert svc.engine is not None
+    await svc.engine.call(lambda: None)  # a fresh stats snapshot
+    return svc.engine.stats.held
+
+
+async def test_the_peer_path_hands_the_job_on_first_and_holds_bytes_not_blocks(checkpoint: Path,  # noqa: F811
+                                                                               loaded: LoadedModel) -> None:  # noqa: F811
+    svc = prefill(checkpoint, loaded, "peer")
+    await svc._on_job(job("r1"), ENV)
+    assert kinds(svc)[:2] == ["job", "token"] and "put" in kinds(svc)  # the job before the token and the store
+    handoff = decode_job(svc)
+    assert handoff.peer_lease_s > 0 and handoff.prefill_worker == "prefill-test" and handoff.snapshot_key
+    kv: FakeKv = svc.kv  # type: ignore[assignment]
+    assert handoff.snapshot_key in kv.keys  # the key the job carried is the one the snapshot was stored under
+    assert await held(svc) == 0  # the engine let go: the hand-over has the bytes
+    assert len(svc.handovers) == 1
+    reply = await svc.handovers.serve(KvPeerPull("r1", 0, handoff.block_hashes, 1 << 30))
+    assert svc.engine is not None
+    block_bytes = svc.engine.engine.block_bytes
+    assert reply.found and (reply.blocks, reply.tail) == (2, True)
+    assert [len(i) for i in reply.items[:3]] == [block_bytes] * 3
+    svc.handovers.end("r1", "done")
+    assert len(svc.handovers) == 0
+    await svc.engine.stop()
+
+
+async def test_the_store_path_hands_the_job_on_after_the_store(checkpoint: Path,  # noqa: F811
+                                                               loaded: LoadedModel) -> None:  # noqa: F811
+    svc = prefill(checkpoint, loaded, "store")
+    await svc._on_job(job("r2"), ENV)
+    assert kinds(svc) == ["token", "put", "put", "put", "job"]  # blocks, snapshot, its anchor; then the job
+    assert decode_job(svc).peer_lease_s == 0 and decode_job(svc).snapshot_key
+    assert await held(svc) == 0 and len(svc.handovers) == 0
+    assert svc.engine is not None
+    await svc.engine.stop()
+
+
+async def test_a_cancel_during_the_hand_over_leaves_nothing_held(checkpoint: Path,  # noqa: F811
+                                                                 loaded: LoadedModel) -> None:  # noqa: F811
+    svc = prefill(checkpoint, loaded, "peer")
+    kv: FakeKv = svc.kv  # type: ignore[assignment]
+    kv.gate = asyncio.Event()
+    task = asyncio.create_task(svc._on_job(job("r3"), ENV))
+    await kv.entered.wait()  # handed on, exported, storing: a decode worker may be pulling now
+    assert len(svc.handovers) == 1
+    await svc._on_cancel(Cancel("r3", "client disconnected"), ENV)
+    assert len(svc.handovers) == 0 and svc.handovers.counts["ended_cancelled"] == 1
+    assert not (await svc.handovers.serve(KvPeerPull("r3", 0, [], 1 << 20))).found
+    kv.gate.set()
+    await task  # settled, not failed into redelivery
+    assert await held(svc) == 0 and svc.active == set()
+    assert svc.engine is not None
+    await svc.engine.stop()
