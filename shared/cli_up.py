@@ -64,7 +64,8 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--max-num-seqs", "--max-running", dest="max_num_seqs", type=int,
                          default=DEFAULT_MAX_RUNNING, help="requests a worker holds at once")
     workers.add_argument("--max-num-batched-tokens", "--max-batch-tokens", dest="max_num_batched_tokens", type=int,
-                         default=DEFAULT_MAX_BATCH_TOKENS, help="tokens per engine step (chunked prefill)")
+                         default=None, help="tokens per engine step (chunked prefill); default: "
+                         f"{DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU 16384 for a prefill worker and 2048 for decode")
     workers.add_argument("--speculative-tokens", type=int, default=0,
                          help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")

@@ -13,8 +13,16 @@ from shared.logs import LOG_FORMATS
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 # the workers' batch limits (shared/worker.py), here so `deepinfer up --help` shows them without importing torch
-DEFAULT_MAX_BATCH_TOKENS = 512
+DEFAULT_MAX_BATCH_TOKENS = 512  # on a CPU; on a GPU, by role (default_batch_tokens)
+GPU_BATCH_TOKENS = {"prefill": 16384, "decode": 2048}
 DEFAULT_MAX_RUNNING = 64
+
+
+def default_batch_tokens(role: str, device: str) -> int:
+    """Tokens per engine step when nobody says. On a GPU a prefill worker takes long chunks: every step reads
+    all the weights once, so a 77K-token prompt in 5 chunks of 16K costs 5 weight reads, not 150 at 512; a
+    decode worker keeps a short step (2048), so a prefill chunk there never holds its running streams long."""
+    return GPU_BATCH_TOKENS.get(role, DEFAULT_MAX_BATCH_TOKENS) if device.startswith("cuda") else DEFAULT_MAX_BATCH_TOKENS
 
 
 @dataclass(frozen=True)

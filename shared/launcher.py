@@ -76,9 +76,9 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
         common += ["--log-format", args.log_format]
     named = common + (["--served-model-name", *args.served_model_name] if args.served_model_name else [])
     capped = named + (["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])
-    worker = capped + ["--max-num-seqs", str(args.max_num_seqs),
-                       "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    for flag, value in (("--device", args.device), ("--speculative-tokens", args.speculative_tokens or None),
+    worker = capped + ["--max-num-seqs", str(args.max_num_seqs)]
+    for flag, value in (("--device", args.device), ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--speculative-tokens", args.speculative_tokens or None),
                         ("--kv-blocks", args.kv_blocks), ("--gpu-memory-utilization", cli_up.worker_share(args))):
         worker += [flag, str(value)] if value is not None else []
     gateway = capped + ["--host", args.host, "--port", str(args.port),

@@ -27,7 +27,7 @@ import orjson
 
 from shared import short_term, subjects
 from shared.bus import Bus, Envelope, WorkQueue
-from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, ServiceConfig
+from shared.config import DEFAULT_MAX_RUNNING, ServiceConfig, default_batch_tokens
 from shared.engine.api import RequestError
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.device import default_device
@@ -61,7 +61,7 @@ class ExportedKv:
 class WorkerConfig:
     device: str
     kv_blocks: int | None
-    max_batch_tokens: int
+    max_batch_tokens: int | None  # None: by role and device (shared/config.py default_batch_tokens)
     max_running: int
     speculative_tokens: int = 0
     gpu_memory_utilization: float | None = None  # share of the GPU this worker may fill; None = the engine's rule
@@ -69,7 +69,7 @@ class WorkerConfig:
     kv_handover: str = "peer"  # prefill -> decode: "peer" (decode pulls from prefill, shared/kv_peer.py) | "store"
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1 or self.max_running < 1:
+        if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_running < 1:
             raise ValueError("--max-batch-tokens and --max-running must be positive")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError("--kv-blocks must be positive")
@@ -87,8 +87,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=default_device(), help="engine device (default: cuda if available)")
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
     # the second spellings are vLLM's
-    parser.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
-                        help="tokens per engine step (chunked prefill)")
+    parser.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per engine step (chunked prefill); default: 512 on a CPU, on a GPU 16384 for "
+                             "a prefill worker and 2048 for a decode worker")
     parser.add_argument("--max-running", "--max-num-seqs", type=int, default=DEFAULT_MAX_RUNNING,
                         help="requests held at once")
     parser.add_argument("--speculative-tokens", type=int, default=0,
@@ -192,7 +193,7 @@ class EngineWorker(ABC):
                 self.config.model,
                 device=self.worker.device,
                 kv_blocks=self.worker.kv_blocks,
-                max_batch_tokens=self.worker.max_batch_tokens,
+                max_batch_tokens=self.worker.max_batch_tokens or default_batch_tokens(self.role, self.worker.device),
                 max_running=self.worker.max_running,
                 # prefill drafts nothing itself, but feeds the MTP layer the prompt so decode's drafts start warm
                 speculative_tokens=self.worker.speculative_tokens,
