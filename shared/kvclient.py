@@ -28,6 +28,7 @@ import functools
 import logging
 import struct
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar, Union
@@ -137,6 +138,16 @@ class KvClient:
         run and learns how many blobs one reply carries; the rest go as that many keys a message, pipelined.
         Through the arena, blobs may be read-only views of it (see the module's doc): drop them once used."""
         run: list[Blob] = []
+        try:
+            await self._read_run(keys, run)
+        except BaseException as exc:  # cancelled: the views must not live on in the traceback's frames
+            run.clear()
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        self.counts["blocks_got"] += len(run)
+        return run
+
+    async def _read_run(self, keys: Sequence[bytes], run: list[Blob]) -> None:
         while len(run) < len(keys):
             rest = keys[len(run) :]
             first = await self._get_chunk(rest)
@@ -162,8 +173,6 @@ class KvClient:
                     i += 1
             if done:
                 break
-        self.counts["blocks_got"] += len(run)
-        return run
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """Each key's blob, or None where absent (or the store is unreachable): one request for all of them,
