@@ -218,25 +218,46 @@ def split_blobs(export: Callable[[list[int], HostBuffer], None], blocks: list[in
 
 
 def runs_of(blobs: Sequence[Blob], each: bool) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(start, end, bytes) of consecutive blobs that lie back to back in one buffer (a run the arena lent), as
-    one view of it, so a run crosses to the device in one copy; other blobs one by one (`each`: every blob on
-    its own, where one copy per block costs nothing more, as on the CPU)."""
+    """(start, end, bytes) covering `blobs` in order: blobs that lie back to back in one buffer (a run the arena
+    lent) as one view of it, so a run crosses to the device in one copy; the others joined into one copy per
+    stretch of them, so an import is a few large copies, not one per blob. `each`: every blob on its own, no
+    join (where one copy per block costs nothing more, as Llama's on the CPU)."""
+    if each:
+        for i, blob in enumerate(blobs):
+            yield i, i + 1, np.frombuffer(blob, dtype=np.uint8)
+        return
+    loose = 0  # the stretch of blobs that lie nowhere in particular starts here
     at = 0
     while at < len(blobs):
-        first = np.frombuffer(blobs[at], dtype=np.uint8)
-        end, nbytes = at + 1, first.size
-        owner = blobs[at].obj if isinstance(blobs[at], memoryview) else None
-        while not each and owner is not None and end < len(blobs):
-            nxt = blobs[end]
-            if not isinstance(nxt, memoryview) or nxt.obj is not owner:
-                break
-            if np.frombuffer(nxt, dtype=np.uint8).ctypes.data != first.ctypes.data + nbytes:
-                break
-            end, nbytes = end + 1, nbytes + len(nxt)
-        if end - at == 1:
-            yield at, end, first
-        else:
-            whole = np.frombuffer(owner, dtype=np.uint8)
-            offset = first.ctypes.data - whole.ctypes.data
-            yield at, end, whole[offset : offset + nbytes]
+        end, view = _adjacent(blobs, at)
+        if end - at > 1:
+            if loose < at:
+                yield loose, at, _joined(blobs[loose:at])
+            yield at, end, view
+            loose = end
         at = end
+    if loose < len(blobs):
+        yield loose, len(blobs), _joined(blobs[loose:])
+
+
+def _adjacent(blobs: Sequence[Blob], at: int) -> tuple[int, np.ndarray]:
+    """The end of the run of views from `at` on that lie back to back in one buffer, and one view of the run."""
+    first = np.frombuffer(blobs[at], dtype=np.uint8)
+    owner = blobs[at].obj if isinstance(blobs[at], memoryview) else None
+    end, nbytes = at + 1, first.size
+    while owner is not None and end < len(blobs):
+        nxt = blobs[end]
+        if not isinstance(nxt, memoryview) or nxt.obj is not owner:
+            break
+        if np.frombuffer(nxt, dtype=np.uint8).ctypes.data != first.ctypes.data + nbytes:
+            break
+        end, nbytes = end + 1, nbytes + len(nxt)
+    if end - at == 1:
+        return end, first
+    whole = np.frombuffer(owner, dtype=np.uint8)
+    offset = first.ctypes.data - whole.ctypes.data
+    return end, whole[offset : offset + nbytes]
+
+
+def _joined(blobs: Sequence[Blob]) -> np.ndarray:
+    return np.frombuffer(blobs[0], dtype=np.uint8) if len(blobs) == 1 else np.frombuffer(b"".join(blobs), np.uint8)

@@ -71,7 +71,9 @@ def test_blocks_import_straight_from_the_arena_views(make) -> None:
         loose = [bytes(views[1])]  # a blob from elsewhere between two runs
         blobs = [views[0], views[1], *loose, views[2]]
         runs = [(a, b) for a, b, _ in runs_of(blobs, False)]
-        assert runs == [(0, 2), (2, 3), (3, 4)]  # back-to-back views coalesce into one copy; the rest one by one
+        assert runs == [(0, 2), (2, 4)]  # back-to-back views coalesce into one view; the rest joined into one copy
+        assert [(a, b) for a, b, _ in runs_of([*loose, *loose, views[0], views[1], *loose], False)] == [
+            (0, 2), (2, 4), (4, 5)]  # loose blobs joined into one buffer per stretch of them
         dst.write_blocks([0, 1, 2, 3], blobs)
         assert dst.read_blocks([0, 1, 2, 3]) == src.read_blocks([3, 0, 0, 2])
         assert arena.free_slots == 1
