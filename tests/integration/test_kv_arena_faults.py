@@ -82,10 +82,13 @@ async def test_a_store_hung_then_killed_mid_transfer_costs_the_arena_nothing(nat
         stale = await KvClient(bus, timeout=5.0).get_run(keys[32:48])  # over NATS: what the store holds
         assert _intact(keys[32:], stale)  # the stale puts stored nothing from reused slots (most likely nothing)
 
-        task = asyncio.create_task(kv.put_run(keys[32:64], _exporter(keys[32:]), BLOCK))
-        await _until(lambda: arena.lent_slots > 0, 10.0)
-        kill(process)  # killed mid-put
-        await task
+        async def export_then_kill(parts: list[tuple[int, int, memoryview]]) -> None:
+            await _exporter(keys[32:])(parts)
+            kill(process)  # killed mid-put: the slots are filled and lent, the requests about to go
+
+        lost = arena.lost
+        assert not await kv.put_run(keys[32:64], export_then_kill, BLOCK)
+        assert arena.lost > lost  # their requests found no store: the slots retired until their deadline
         await _until(lambda: arena.free_slots == 8)
         assert arena.reclaimed == arena.lost and kv.arena is arena  # the path stays on for the restarted store
 
@@ -187,9 +190,13 @@ async def test_a_cancel_mid_transfer_gives_every_slot_back(nats_url: str, tmp_pa
 
         assert await kv.put_run(keys, _exporter(keys), BLOCK)
         get = asyncio.create_task(kv.get_run(keys))
-        await _until(lambda: kv.counts["blocks_via_shm"] > 96, 10.0)  # some chunks back, more in flight
+        deadline = time.monotonic() + 10.0
+        while kv.counts["blocks_via_shm"] <= 96:  # every loop turn: cancel right after the first chunk is back
+            assert time.monotonic() < deadline and not get.done()
+            await asyncio.sleep(0)
         get.cancel()
         await asyncio.gather(get, return_exceptions=True)
+        assert get.cancelled()  # mid-transfer: some chunks back (views lent), more in flight
         await _until(lambda: arena.free_slots == 8)
         assert arena.lost == 0 and arena.lent_slots == 0
     finally:
