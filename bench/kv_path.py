@@ -1,19 +1,23 @@
 """The KV data plane, prefill -> kvcache -> decode, against the host's own ceilings measured in the same run.
 
-    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--transport nats|shm] [--out FILE]
+    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--transport nats|shm]
+                                      [--io run|blocks] [--arena-mib N] [--device cpu|cuda] [--out FILE]
 
 Real parts: a private nats-server (the launcher's config: 8 MiB payloads, 32 MiB pending per connection), the
 kvcache service as its own process (`python -m services.kvcache`, RAM + SSD tiers under a temp dir), the
-workers' KvClient on its own connection, and the engines' own caches for export / import (`read_blocks` /
-`write_blocks` on CPU tensors):
+workers' KvClient on its own connection, and the engines' own caches for export / import (on CPU tensors, or
+on the GPU with --device cuda):
 
     llama   SmolLM2-135M's layout: 30 layers x 2 x 16 tokens x 3 KV heads x 64, float32 (737,280 bytes a block)
     v4      V4-Flash widths at full depth: 43 layers (2 HCA, then CSA / HCA interleaved), 128-token blocks,
             bfloat16 compressed entries + indexer keys (842,752 bytes a block)
 
-Per layout (export / import: read_blocks / write_blocks alone, the engine's share of (a) / (b)):
-    (a) export + put     read_blocks of the run, then KvClient.put_many (every block long-term)
-    (b) get + import     KvClient.get_run of the run (served from the store's RAM tier), then write_blocks
+Per layout (export / import: the engine's share of (a) / (b)), with --io run (the workers' path: one copy each way):
+    (a) export + put     KvClient.put_run: the cache exports the run straight into arena slots (export_run), or
+                         into one buffer per window over NATS (every block long-term)
+    (b) get + import     KvClient.get_run of the run (served from the store's RAM tier), then write_blocks, which
+                         imports from the arena's views where they lie (import_run)
+and with --io blocks (before the one-copy path): read_blocks (a bytes per block), put_many, get_run, write_blocks.
     (c) hand-over        (a) then a lookup and (b): what lies between prefill's first token and decode's first
                          step on the store path (routing and the engine's own step excluded)
     (c) peer             the same on the peer path (shared/kv_peer.py, the default --kv-handover): a prefill
@@ -29,6 +33,8 @@ Ceilings, same bytes, same run:
     disk read    read back in 8 MiB reads after dropping its pages from the page cache (posix_fadvise)
     nats         the transport alone: the run's bytes as 4 MiB request/replies (one at a time, a 2-byte answer)
                  between two plain nats.py connections on the same server: what Python and NATS carry at best
+    h2d / d2h    (--device cuda) the run's bytes host -> device and device -> host in one copy each, from and to
+                 pinned host memory, and into pageable memory (what a copy into an unregistered arena gets)
 
 The store path's health in the same run: puts that failed, blocks decode would not get back, and slow-consumer
 disconnects in the nats-server log.
@@ -76,20 +82,26 @@ INSTANCE = "kvcache-bench"
 
 
 class Cache(Protocol):
-    """What the bench needs of an engine's cache: blocks out as blobs, blobs in as blocks."""
+    """What the bench needs of an engine's cache: blocks out as blobs or into a buffer, and back in."""
 
     block_bytes: int
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]: ...
 
-    def write_blocks(self, blocks: list[int], blobs: list[bytes]) -> None: ...
+    def write_blocks(self, blocks: list[int], blobs: list) -> None: ...
+
+    def export_run(self, blocks: list[int], out: memoryview) -> None: ...
 
 
-def llama_cache(blocks: int) -> KVCache:
+def llama_cache(blocks: int, device: torch.device) -> KVCache:
     spec = CacheSpec(PagedSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_tokens=16, dtype=torch.float32), 0)
-    cache = KVCache(spec, blocks, torch.device("cpu"))
+    cache = KVCache(spec, blocks, device)
     cache.kv.uniform_()  # real numbers, not pages of zeros the kernel may share
     return cache
+
+
+def tensors(cache: Cache) -> list[torch.Tensor]:
+    return [cache.kv] if isinstance(cache, KVCache) else list(cache._paged)  # noqa: SLF001
 
 
 def v4_spec() -> DeepseekV4Spec:
@@ -105,14 +117,15 @@ def v4_spec() -> DeepseekV4Spec:
         max_position=1 << 20, num_mtp_layers=0, mtp_kinds=(), mtp_ratios=())
 
 
-def v4_cache(blocks: int) -> V4Cache:
-    cache = V4Cache(v4_spec(), blocks, torch.device("cpu"), torch.bfloat16)
+def v4_cache(blocks: int, device: torch.device) -> V4Cache:
+    cache = V4Cache(v4_spec(), blocks, device, torch.bfloat16)
     for t in cache._paged:  # noqa: SLF001 - fill every long-term tensor
         t.uniform_()
     return cache
 
 
-LAYOUTS: dict[str, tuple[int, Callable[[int], Cache]]] = {"llama": (16, llama_cache), "v4": (128, v4_cache)}
+LAYOUTS: dict[str, tuple[int, Callable[[int, torch.device], Cache]]] = {
+    "llama": (16, llama_cache), "v4": (128, v4_cache)}
 
 
 @dataclass
@@ -135,6 +148,9 @@ class Row:
     one_get_s: float
     failed_puts: int
     missing_gets: int
+    h2d_s: float = 0.0  # pinned, one copy (0: not measured, CPU)
+    d2h_s: float = 0.0
+    d2h_pageable_s: float = 0.0
 
 
 # --- ceilings ------------------------------------------------------------------------------------------------------
@@ -149,6 +165,29 @@ def memcpy_s(nbytes: int, repeat: int) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def device_copy_s(nbytes: int, device: torch.device, repeat: int) -> tuple[float, float, float]:
+    """(host -> device pinned, device -> host pinned, device -> host pageable) of `nbytes`, best of `repeat`."""
+    if device.type != "cuda":
+        return 0.0, 0.0, 0.0
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = [float("inf")] * 3
+    for _ in range(repeat):
+        for i, (dst, src) in enumerate(((dev, pinned), (pinned, dev), (pageable, dev))):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best[0], best[1], best[2]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def disk_s(directory: Path, nbytes: int) -> tuple[float, float]:
@@ -197,18 +236,32 @@ async def nats_s(url: str, nbytes: int) -> float:
 # --- the store path ------------------------------------------------------------------------------------------------
 
 
-async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: int, directory: Path) -> Row:
+async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: int, directory: Path, io: str,
+                     device: torch.device) -> Row:
     block_tokens, make = LAYOUTS[layout]
     n = tokens // block_tokens
-    src, dst = make(n), make(n)
+    src, dst = make(n, device), make(n, device)
     blocks = list(range(n))
     keys = [os.urandom(16) for _ in blocks]  # fresh keys: every put is new to the store
     nbytes = n * src.block_bytes
+    exporting = [0.0]
 
+    async def export(parts: list[tuple[int, int, memoryview]]) -> None:  # what the worker runs on the engine thread
+        started = time.perf_counter()
+        for lo, hi, out in parts:
+            src.export_run(blocks[lo:hi], out)
+        exporting[0] += time.perf_counter() - started
+
+    sync(device)
     started = time.perf_counter()
-    blobs = src.read_blocks(blocks)
-    export_s = time.perf_counter() - started
-    stored = await kv.put_many(list(zip(keys, blobs)))
+    if io == "run":
+        stored = await kv.put_run(keys, export, src.block_bytes)
+        export_s = exporting[0]
+    else:
+        blobs = src.read_blocks(blocks)
+        export_s = time.perf_counter() - started
+        stored = await kv.put_many(list(zip(keys, blobs)))
+        del blobs
     put_s = time.perf_counter() - started
     failed = 0 if stored else await count_missing(kv, keys)
 
@@ -217,29 +270,39 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     got = await kv.get_run(keys)
     imported = time.perf_counter()
     dst.write_blocks(blocks[: len(got)], got)
+    sync(device)
     import_s = time.perf_counter() - imported
     get_s = time.perf_counter() - started
-    assert all(a == b for a, b in zip(got, blobs)), "a block came back different"
+    got_back = len(got)
+    del got  # views of the arena: their slots go back
+    if got_back == n:
+        assert all(torch.equal(a, b) for a, b in zip(tensors(src), tensors(dst))), "a block came back different"
 
     one_put, one_get = [], []
     for _ in range(repeat):
         key = os.urandom(16)
         started = time.perf_counter()
-        ok = await kv.put_many([(key, src.read_blocks([0])[0])])
+        if io == "run":
+            ok = await kv.put_run([key], export, src.block_bytes)
+        else:
+            ok = await kv.put_many([(key, src.read_blocks([0])[0])])
         one_put.append(time.perf_counter() - started)
         started = time.perf_counter()
-        (blob,) = await kv.get_run([key]) or [b""]
-        if ok and blob:
-            dst.write_blocks([0], [blob])
+        one = await kv.get_run([key])
+        if ok and one:
+            dst.write_blocks([0], one)
+            sync(device)
+        del one
         one_get.append(time.perf_counter() - started)
-    got_back = len(got)
-    del src, dst, blobs, got
+    del src, dst
     mem = memcpy_s(nbytes, repeat)
+    h2d, d2h, d2h_pageable = device_copy_s(nbytes, device, repeat)
     write, read = disk_s(directory, nbytes)
     wire = await nats_s(url, nbytes)
     peer = await peer_path(url, layout, n, make)
     return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, put_s, get_s, put_s + get_s,
-               peer, statistics.median(one_put), statistics.median(one_get), failed, n - got_back)
+               peer, statistics.median(one_put), statistics.median(one_get), failed, n - got_back, h2d, d2h,
+               d2h_pageable)
 
 
 # --- the peer path (the hand-over straight from prefill to decode) -------------------------------------------------
@@ -333,6 +396,14 @@ async def wait_ready(bus: Bus, timeout: float = 60.0) -> None:
     raise RuntimeError("the kvcache service did not come up")
 
 
+def pin(arena: object) -> None:
+    """Page-lock the worker's arena for the GPU (cudaHostRegister), so copies into and out of its slots are one
+    DMA each instead of a staged copy through the driver's own pinned buffer (an experiment: not in the worker)."""
+    mapped = np.frombuffer(arena._map, dtype=np.uint8)  # noqa: SLF001
+    err = torch.cuda.cudart().cudaHostRegister(mapped.ctypes.data, mapped.size, 0)
+    print(f"  cudaHostRegister of the arena ({mapped.size >> 20} MiB): {err}", file=sys.stderr, flush=True)
+
+
 async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
     server = natsserver.start(work / "nats", log_file=work / "nats.log")
     kvcache = subprocess.Popen(
@@ -349,13 +420,17 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
         if args.transport != "nats":
             from shared.kvclient import open_client
 
-            kv = open_client(bus, args.transport, "bench", **sizes)
+            arena = {"arena_bytes": args.arena_mib * MiB} if args.arena_mib else {}
+            kv = open_client(bus, args.transport, "bench", **sizes, **arena)
         else:
             kv = KvClient(bus, **sizes)
+        device = torch.device(args.device)
+        if kv.arena is not None and args.pin_arena and device.type == "cuda":
+            pin(kv.arena)
         rows = []
         for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens)):
             if tokens:
-                rows.append(await store_path(kv, server.url, layout, tokens, args.repeat, work))
+                rows.append(await store_path(kv, server.url, layout, tokens, args.repeat, work, args.io, device))
                 print(f"  {layout} {tokens} tokens done", file=sys.stderr, flush=True)
         if getattr(kv, "arena", None) is not None:
             kv.arena.close()
@@ -373,17 +448,21 @@ def rate(nbytes: int, seconds: float) -> str:
 
 
 def table(rows: list[Row], slow: int) -> str:
+    gpu = any(r.h2d_s for r in rows)
+    extra = "h2d pinned | d2h pinned | d2h pageable | " if gpu else ""
     lines = [
-        "| layout | tokens | blocks | MB | memcpy | disk write | disk read | nats | export | import "
+        f"| layout | tokens | blocks | MB | memcpy | {extra}disk write | disk read | nats | export | import "
         "| (a) export+put | (b) get+import "
         "| (c) hand-over | (c) / memcpy | (c) / nats | (c) peer | peer / memcpy | store / peer "
         "| 1 block put | 1 block get | failed puts | blocks not got back |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * (22 + 3 * gpu) + "|",
     ]
     for r in rows:
+        copies = (f"{rate(r.nbytes, r.h2d_s)} | {rate(r.nbytes, r.d2h_s)} | {rate(r.nbytes, r.d2h_pageable_s)} | "
+                  if gpu else "")
         lines.append(
-            f"| {r.layout} | {r.tokens} | {r.blocks} | {r.nbytes / 1e6:,.0f} | {rate(r.nbytes, r.memcpy_s)} "
-            f"| {rate(r.nbytes, r.disk_write_s)} | {rate(r.nbytes, r.disk_read_s)} | {rate(r.nbytes, r.nats_s)} "
+            f"| {r.layout} | {r.tokens} | {r.blocks} | {r.nbytes / 1e6:,.0f} | {rate(r.nbytes, r.memcpy_s)} | {copies}"
+            f"{rate(r.nbytes, r.disk_write_s)} | {rate(r.nbytes, r.disk_read_s)} | {rate(r.nbytes, r.nats_s)} "
             f"| {rate(r.nbytes, r.export_s)} | {rate(r.nbytes, r.import_s)} "
             f"| {r.put_s * 1e3:,.0f} ms ({rate(r.nbytes, r.put_s)}) "
             f"| {r.get_s * 1e3:,.0f} ms ({rate(r.nbytes, r.get_s)}) "
@@ -411,6 +490,10 @@ def hardware() -> str:
             f"torch {torch.__version__}")
 
 
+def gpu_name(device: str) -> str:
+    return f", {torch.cuda.get_device_name()}" if device.startswith("cuda") and torch.cuda.is_available() else ""
+
+
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--peer-child":
         asyncio.run(peer_child(sys.argv[2], sys.argv[3], int(sys.argv[4])))
@@ -422,6 +505,11 @@ def main() -> None:
     parser.add_argument("--message-mib", type=float, default=None, help="KvClient: blobs per batch message, MiB")
     parser.add_argument("--window-mib", type=float, default=None, help="KvClient: batches in flight, MiB")
     parser.add_argument("--transport", default="nats", help="KV bytes over nats, or shm (shared memory)")
+    parser.add_argument("--io", choices=("run", "blocks"), default="run",
+                        help="run: put_run / views (one copy each way); blocks: read_blocks / put_many (before)")
+    parser.add_argument("--arena-mib", type=int, default=0, help="shm: the worker's arena, MiB (0: the default)")
+    parser.add_argument("--device", default="cpu", help="the caches' device: cpu, or cuda (adds h2d / d2h ceilings)")
+    parser.add_argument("--pin-arena", action="store_true", help="cuda: cudaHostRegister the arena (experiment)")
     parser.add_argument("--ram-mib", type=int, default=1536, help="the store's RAM tier, MiB")
     parser.add_argument("--dir", type=Path, default=None, help="where the store and the disk probe write")
     parser.add_argument("--label", default="", help="a name for this run in the output (before / after)")
@@ -432,8 +520,10 @@ def main() -> None:
         rows, slow = asyncio.run(run(args, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    flags = f"--transport {args.transport} --io {args.io} --device {args.device}" + (
+        f" --arena-mib {args.arena_mib}" if args.arena_mib else "") + (" --pin-arena" if args.pin_arena else "")
     text = (f"## {args.label or 'kv path'} ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n\n"
-            f"{hardware()}\n\n{table(rows, slow)}\n")
+            f"{hardware()}{gpu_name(args.device)}; `{flags}`\n\n{table(rows, slow)}\n")
     print(text)
     if args.out is not None:
         with open(args.out, "a") as f:

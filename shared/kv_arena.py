@@ -1,43 +1,71 @@
 """A same-host fast path for KV bytes: a worker's shared-memory arena, with NATS carrying only descriptors.
 
 The worker owns the arena (a file under /dev/shm, mapped by the worker and, on first use, by the kvcache
-service). A put writes a batch's blobs into one free slot and sends their lengths; the store copies them out. A
-get lends the store one slot to write the run into and reads the blobs back out of it. NATS carries keys, an
+service). A put lends the store one slot that the engine exported a batch of blocks into (one copy, device or
+cache -> arena) and sends their lengths; the store copies them into its RAM tier. A get lends the store one slot
+to write the run into; the worker hands the engine views of the slot (`lend`), and the engine imports straight
+from them (one copy, arena -> cache); the slot comes back when the last view is gone. NATS carries keys, an
 offset and lengths, never the bytes.
 
     offset 0      token (16 random bytes): the store checks it, so a store on another host (or a stale map of
                   an earlier arena under the same name) is found out and the client falls back to NATS
     offset 4096   slot 0 | slot 1 | ... each `slot_bytes`
 
-A slot is lent to one request at a time. When a request times out the store may still write into its slot later,
-so that slot is retired (`lose`), never lent again: a late write can only land where nobody reads. The file is
-named after the worker's instance and pid (two meshes on one host never share one); `close` unlinks it, and a
-worker that died leaves its file behind until the next worker of its instance name starts and removes it.
+Nothing leaks when a process dies mid-transfer:
+- A slot is lent to the store under a deadline (CLOCK_MONOTONIC, one clock for every process of a host): the
+  store writes into it only before the deadline, and reads out of it before checking the deadline. A request
+  that timed out (the store hung or died) leaves its slot retired until the deadline plus a grace has passed
+  (`lose`); then it is lent again, because no late write can land in it any more.
+- The worker holds a shared flock on its arena for its life; the kernel drops it when the process dies however
+  it dies. The store's sweep (`ArenaMaps.sweep`) and the next worker of the same instance name (`remove_stale`)
+  find an arena nobody holds and remove it: no pid check, so it works across pid namespaces too.
+The file is named after the worker's instance and pid (two meshes on one host never share one); `close` unlinks it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import threading
+import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "deepinfer-kv-"
 HEADER = 4096
 TOKEN_BYTES = 16
+GRACE_S = 1.0  # after a lent slot's deadline, before it is lent again: the store's last write is a memcpy away
 
 
 def arena_path(instance: str, pid: int | None = None) -> Path:
     return SHM_DIR / f"{PREFIX}{instance}-{os.getpid() if pid is None else pid}"
 
 
+def owner_alive(path: Path) -> bool:
+    """Whether a live process holds the arena at `path` (its owner's flock); False when it is gone too."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it the probe's lock
+    return False
+
+
 def remove_stale(instance: str) -> int:
-    """Remove the arenas of dead processes of `instance`; how many."""
+    """Remove the arenas of `instance` whose owner died; how many."""
     removed = 0
     for path in SHM_DIR.glob(f"{PREFIX}{instance}-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if path.name.rsplit("-", 1)[1].isdigit() and not owner_alive(path):
             path.unlink(missing_ok=True)
             removed += 1
     return removed
@@ -47,33 +75,61 @@ class Arena:
     def __init__(self, path: Path, slots: int, slot_bytes: int) -> None:
         assert slots > 0 and slot_bytes > 0
         self.path = path
+        self.slots = slots
         self.slot_bytes = slot_bytes
         self.token = os.urandom(TOKEN_BYTES)
         path.unlink(missing_ok=True)  # a dead predecessor's file: a new inode, so no stale map aliases this one
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, HEADER + slots * slot_bytes)
-            self._map = mmap.mmap(fd, HEADER + slots * slot_bytes)
-        finally:
-            os.close(fd)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)  # before the token: whoever finds the token sees the owner alive
+        os.ftruncate(self._fd, HEADER + slots * slot_bytes)
+        self._map = mmap.mmap(self._fd, HEADER + slots * slot_bytes)
         self._map[:TOKEN_BYTES] = self.token
+        self._lock = threading.Lock()  # views given back on the engine thread (`lend`), slots taken on the loop
         self._free = list(range(slots - 1, -1, -1))
-        self.lost = 0  # slots retired after a timeout
+        self._retired: list[tuple[float, int]] = []  # (lendable again at, slot) of requests that timed out
+        self.lost = 0  # requests that timed out holding a slot
+        self.reclaimed = 0  # of their slots, those lent again after their deadline
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        with self._lock:
+            self._reclaim(time.monotonic())
+            return len(self._free)
+
+    @property
+    def lent_slots(self) -> int:
+        """Slots lent now: to the store, or to views the engine has not imported yet (retired ones excluded)."""
+        with self._lock:
+            return self.slots - len(self._free) - len(self._retired)
 
     def take(self) -> int | None:
         """A free slot's offset, or None when every slot is lent or retired."""
-        return HEADER + self._free.pop() * self.slot_bytes if self._free else None
+        with self._lock:
+            self._reclaim(time.monotonic())
+            return HEADER + self._free.pop() * self.slot_bytes if self._free else None
 
     def give(self, offset: int) -> None:
-        self._free.append((offset - HEADER) // self.slot_bytes)
+        with self._lock:
+            self._free.append((offset - HEADER) // self.slot_bytes)
 
-    def lose(self, offset: int) -> None:
-        """The request holding this slot timed out: the store may write into it yet, so it is never lent again."""
-        self.lost += 1
+    def lose(self, offset: int, deadline: float) -> None:
+        """The request holding this slot timed out: the store may write into it until `deadline`, so it is lent
+        again only after that (plus a grace)."""
+        with self._lock:
+            self.lost += 1
+            self._retired.append((deadline + GRACE_S, (offset - HEADER) // self.slot_bytes))
+
+    def _reclaim(self, now: float) -> None:
+        back = [slot for at, slot in self._retired if at <= now]
+        if back:
+            self._retired = [(at, slot) for at, slot in self._retired if at > now]
+            self._free += back
+            self.reclaimed += len(back)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` of the slot at `offset`, writable, for an exporter to fill."""
+        assert nbytes <= self.slot_bytes, "a batch larger than a slot"
+        return memoryview(self._map)[offset : offset + nbytes]
 
     def write(self, offset: int, blobs: Sequence[bytes]) -> list[int]:
         """Copy `blobs` one after the other into the slot at `offset`; their lengths."""
@@ -85,15 +141,36 @@ class Arena:
         return [len(b) for b in blobs]
 
     def read(self, offset: int, lengths: Sequence[int]) -> list[bytes]:
+        """Copies of the blobs in the slot at `offset` (the slot may be given back at once)."""
         out, at = [], offset
         for n in lengths:
             out.append(self._map[at : at + n])
             at += n
         return out
 
+    def lend(self, offset: int, lengths: Sequence[int]) -> list[memoryview]:
+        """Read-only views of the blobs in the slot at `offset`, no copy: the slot stays taken while any of them
+        lives and is given back when the last one is gone (on whichever thread drops it)."""
+        holder = np.frombuffer(self._map, np.uint8, count=self.slot_bytes, offset=offset)
+        holder.flags.writeable = False
+        weakref.finalize(holder, self.give, offset)
+        whole = memoryview(holder)  # its slices keep `holder` alive; they are the only references left
+        views, at = [], 0
+        for n in lengths:
+            views.append(whole[at : at + n])
+            at += n
+        return views
+
     def close(self) -> None:
-        self._map.close()
+        if self._fd < 0:
+            return
         self.path.unlink(missing_ok=True)
+        try:
+            self._map.close()
+        except BufferError:  # views still lent (a request being torn down): the map goes with the last of them
+            pass
+        os.close(self._fd)  # and with it the owner's lock
+        self._fd = -1
 
 
 class ArenaMaps:
@@ -115,10 +192,7 @@ class ArenaMaps:
         p = Path(path)
         if p.parent != SHM_DIR or not p.name.startswith(PREFIX):
             return None  # only arenas, never an arbitrary file a request names
-        old = self._maps.pop(path, None)
-        if old is not None:
-            old.close()
-            del self._inodes[path]
+        self._unmap(path)
         try:
             fd = os.open(p, os.O_RDWR)
         except OSError:
@@ -134,20 +208,28 @@ class ArenaMaps:
         return self._maps[path]
 
     def sweep(self) -> int:
-        """Unmap arenas whose file is gone or replaced (their worker stopped or died): a map would keep the
-        memory of an unlinked file alive. Returns how many."""
+        """Unmap arenas whose file is gone or replaced (their worker stopped), and remove those whose owner died
+        without removing its file (killed mid-transfer): a map would keep the memory of an unlinked file alive,
+        and a dead worker's file would keep it in /dev/shm. Returns how many."""
         gone = []
         for path in self._maps:
             try:
                 if os.stat(path).st_ino == self._inodes[path]:
-                    continue
+                    if owner_alive(Path(path)):
+                        continue
+                    Path(path).unlink(missing_ok=True)
             except OSError:
                 pass
             gone.append(path)
         for path in gone:
-            self._maps.pop(path).close()
-            del self._inodes[path]
+            self._unmap(path)
         return len(gone)
+
+    def _unmap(self, path: str) -> None:
+        old = self._maps.pop(path, None)
+        if old is not None:
+            old.close()
+            del self._inodes[path]
 
     def __len__(self) -> int:
         return len(self._maps)

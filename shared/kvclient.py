@@ -12,6 +12,12 @@ slow consumer.
 With an `Arena` (shared/kv_arena.py: the worker and the store on one host) the same batches carry only keys and
 lengths; the bytes go through shared memory. The first reply that says the store cannot map the arena (another
 host) turns it off for good, and the bytes go over NATS again.
+
+One copy each way through the arena: `put_run` has the engine export a run's blocks straight into arena slots
+(no `bytes` per block), and `get_run` hands back views of the slots the store wrote into, which the engine
+imports from; a slot lent to views comes back when the last of them is gone. Views are lent while more than a
+window's worth of slots stays free; past that a chunk is copied out and its slot given back at once, so a run
+bigger than the arena, or requests that keep their views long, slow the path down (two copies) but never stall it.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import contextlib
 import functools
 import logging
 import struct
+import time
+import traceback
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, Union
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
@@ -47,6 +55,10 @@ from shared.schemas.kv import (
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+Blob = Union[bytes, memoryview]  # a get's blob: bytes, or a view of the arena (shared/kv_arena.py `lend`)
+# fills blocks [lo, hi) of a run into `out`, a writable buffer of (hi - lo) block sizes, for each (lo, hi, out);
+# one call for a whole round of slots (it runs on the engine thread, between two steps)
+Exporter = Callable[[list[tuple[int, int, memoryview]]], Awaitable[None]]
 
 SHORT_TERM_TTL_S = 180.0
 _PART_COUNT = struct.Struct("<I")  # a state's first part starts with how many parts there are
@@ -63,16 +75,19 @@ def _shm_arena(instance: str, slots: int, slot_bytes: int) -> Arena | None:
     return Arena(arena_path(instance), slots, slot_bytes)
 
 
-# How KV bytes travel, by name (--kv-transport). An RDMA library (NIXL, Mooncake's transfer engine) would be one
-# more entry: a factory for an object with the Arena's take / give / lose / write / read, where installed.
+# How KV bytes travel, by name (--kv-transport). An RDMA library (NIXL, Mooncake's transfer engine) or CUDA IPC
+# would be one more entry: a factory for an object with the Arena's take / give / lose / view / write / read /
+# lend, where installed (see .notes/i11-arena.md for the CUDA IPC design).
 TRANSPORTS: dict[str, Callable[[str, int, int], Arena | None]] = {"nats": _no_arena, "shm": _shm_arena}
 
 
 def open_client(bus: Bus, transport: str, instance: str, *, message_bytes: int = 4 * MiB,
-                window_bytes: int = 8 * MiB) -> KvClient:
-    """A worker's client, its bytes over `transport` (a key of TRANSPORTS)."""
+                window_bytes: int = 8 * MiB, arena_bytes: int = 128 * MiB) -> KvClient:
+    """A worker's client, its bytes over `transport` (a key of TRANSPORTS). arena_bytes: the shared memory a
+    worker may fill (tmpfs pages, resident once touched): a run up to about this size imports with one copy."""
     message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
-    arena = TRANSPORTS[transport](instance, window_bytes // message_bytes + 1, message_bytes)
+    slots = max(window_bytes // message_bytes + 1, arena_bytes // message_bytes)
+    arena = TRANSPORTS[transport](instance, slots, message_bytes)
     return KvClient(bus, message_bytes=message_bytes, window_bytes=window_bytes, arena=arena)
 
 
@@ -87,6 +102,7 @@ class KvClient:
         self._timeout = timeout
         self._message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
         self._window_bytes = window_bytes
+        self._reserve = window_bytes // self._message_bytes + 1  # slots kept from views: the window's own
         self.arena = arena
         # what this worker saw of the store, for its health report: blocks put / not stored, gets that failed
         self.counts: Counter[str] = Counter()
@@ -117,10 +133,21 @@ class KvClient:
         except BusTimeout:
             return None
 
-    async def get_run(self, keys: Sequence[bytes]) -> list[bytes]:
+    async def get_run(self, keys: Sequence[bytes]) -> list[Blob]:
         """The blobs of `keys` up to (not including) the first one missing. The first message asks for the whole
-        run and learns how many blobs one reply carries; the rest go as that many keys a message, pipelined."""
-        run: list[bytes] = []
+        run and learns how many blobs one reply carries; the rest go as that many keys a message, pipelined.
+        Through the arena, blobs may be read-only views of it (see the module's doc): drop them once used."""
+        run: list[Blob] = []
+        try:
+            await self._read_run(keys, run)
+        except BaseException as exc:  # cancelled: the views must not live on in the traceback's frames
+            run.clear()
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        self.counts["blocks_got"] += len(run)
+        return run
+
+    async def _read_run(self, keys: Sequence[bytes], run: list[Blob]) -> None:
         while len(run) < len(keys):
             rest = keys[len(run) :]
             first = await self._get_chunk(rest)
@@ -146,8 +173,6 @@ class KvClient:
                     i += 1
             if done:
                 break
-        self.counts["blocks_got"] += len(run)
-        return run
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """Each key's blob, or None where absent (or the store is unreachable): one request for all of them,
@@ -174,7 +199,90 @@ class KvClient:
         self.counts["puts_failed"] += len(items) - stored
         return stored == len(items)
 
+    async def put_run(self, keys: Sequence[bytes], export: Exporter, block_bytes: int, ttl_s: float = 0.0) -> bool:
+        """Store a run of equal-sized blocks under `keys`, their bytes written by `export` (see Exporter): through
+        the arena in rounds of as many slots as are free, each filled by one export call, so a block's bytes are
+        copied once on their way in; over NATS in windows of `window_bytes`. True when all were stored."""
+        per = max(1, self._message_bytes // block_bytes)  # blocks per batch (one slot, one message)
+        batches = [(lo, min(lo + per, len(keys))) for lo in range(0, len(keys), per)]
+        stored = at = 0
+        while at < len(batches):
+            arena = self.arena
+            offsets = self._take(arena, len(batches) - at) if arena and per * block_bytes <= arena.slot_bytes else []
+            if arena is not None and offsets:
+                todo, at = batches[at : at + len(offsets)], at + len(offsets)
+                stored += await self._put_round(arena, offsets, todo, keys, export, block_bytes, ttl_s)
+                continue
+            window = max(1, self._window_bytes // (per * block_bytes))
+            todo, at = batches[at : at + window], at + window
+            stored += await self._put_window(todo, keys, export, block_bytes, ttl_s)
+        self.counts["blocks_put"] += stored
+        self.counts["puts_failed"] += len(keys) - stored
+        return stored == len(keys)
+
     # --- internals ---------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _take(arena: Arena, most: int) -> list[int]:
+        offsets: list[int] = []
+        while len(offsets) < most and (offset := arena.take()) is not None:
+            offsets.append(offset)
+        return offsets
+
+    async def _put_round(self, arena: Arena, offsets: list[int], todo: list[tuple[int, int]], keys: Sequence[bytes],
+                         export: Exporter, block_bytes: int, ttl_s: float) -> int:
+        """One round through the arena: export into the slots at `offsets`, then one request per slot, all at once
+        (only keys and lengths cross NATS). A slot whose request failed is settled by `_shm_request`."""
+        parts = [(lo, hi, arena.view(offset, (hi - lo) * block_bytes)) for (lo, hi), offset in zip(todo, offsets)]
+        filling = asyncio.ensure_future(export(parts))
+        try:
+            await asyncio.shield(filling)
+        except asyncio.CancelledError:
+            # the export runs on the engine thread to its end whatever happens here: the slots come back after it
+            filling.add_done_callback(lambda _: [arena.give(offset) for offset in offsets])
+            raise
+        except BaseException:
+            for offset in offsets:
+                arena.give(offset)  # nothing was sent: the store never saw these slots
+            raise
+        sent = [self._put_slot(arena, offset, keys[lo:hi], block_bytes, ttl_s) for (lo, hi), offset in zip(todo, offsets)]
+        results = await asyncio.gather(*sent)
+        lost = [(lo, hi) for (lo, hi), n in zip(todo, results) if n is None]
+        stored = sum(n for n in results if n is not None)
+        if lost:  # the store cannot map the arena after all: those blocks over NATS
+            stored += await self._put_window(lost, keys, export, block_bytes, ttl_s)
+        return stored
+
+    async def _put_slot(self, arena: Arena, offset: int, keys: Sequence[bytes], block_bytes: int, ttl_s: float
+                        ) -> int | None:
+        """How many of the blocks in the slot the store stored (0 when it did not answer); None: not mapped."""
+        lengths = [block_bytes] * len(keys)
+        deadline = time.monotonic() + self._timeout
+        request = KvPutShm(list(keys), lengths, str(arena.path), arena.token, offset, ttl_s, deadline)
+        reply = await self._shm_request(arena, offset, deadline, subjects.KV_PUT_SHM, request)
+        if reply is None:
+            return 0
+        arena.give(offset)
+        if not reply.mapped:
+            return None
+        self.counts["blocks_via_shm"] += len(keys)
+        return sum(reply.stored)
+
+    async def _put_window(self, todo: list[tuple[int, int]], keys: Sequence[bytes], export: Exporter,
+                          block_bytes: int, ttl_s: float) -> int:
+        """Batches over NATS: exported into one buffer (one export call), sent pipelined."""
+        first, last = todo[0][0], todo[-1][1]
+        buf = memoryview(bytearray((last - first) * block_bytes))
+        await export([(lo, hi, buf[(lo - first) * block_bytes : (hi - first) * block_bytes]) for lo, hi in todo])
+        calls = []
+        for lo, hi in todo:
+            blobs = [bytes(buf[(i - first) * block_bytes : (i - first + 1) * block_bytes]) for i in range(lo, hi)]
+            calls.append(((hi - lo) * block_bytes, functools.partial(self._put_nats, list(keys[lo:hi]), blobs, ttl_s)))
+        stored = 0
+        async with contextlib.aclosing(self._ordered(calls)) as replies:
+            async for n in replies:
+                stored += n
+        return stored
 
     def _batches(self, items: list[tuple[bytes, bytes]]) -> list[list[tuple[bytes, bytes]]]:
         """Consecutive items, as many a batch as fit `message_bytes` (a bigger blob alone)."""
@@ -228,6 +336,9 @@ class KvClient:
             stored = await self._put_shm(self.arena, keys, blobs, ttl_s)
             if stored is not None:
                 return stored
+        return await self._put_nats(keys, blobs, ttl_s)
+
+    async def _put_nats(self, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> int:
         try:
             reply = await self._bus.request(
                 subjects.KV_PUT_BATCH, KvPutBatch(keys, blobs, ttl_s), KvPutBatchReply, timeout=self._timeout
@@ -243,25 +354,29 @@ class KvClient:
         offset = arena.take()
         if offset is None:
             return False
-        request = KvGetRunShm(list(keys), str(arena.path), arena.token, offset, arena.slot_bytes)
-        reply = await self._shm_request(arena, offset, subjects.KV_GET_SHM, request)
+        deadline = time.monotonic() + self._timeout
+        request = KvGetRunShm(list(keys), str(arena.path), arena.token, offset, arena.slot_bytes, deadline)
+        reply = await self._shm_request(arena, offset, deadline, subjects.KV_GET_SHM, request)
         if reply is None:
             self.counts["gets_failed"] += 1
             return None
-        try:
-            if not reply.mapped or not (reply.lengths or reply.ended):
-                return False  # not mapped, or the next blob is bigger than a slot: that one goes over NATS
-            self.counts["blocks_via_shm"] += len(reply.lengths)
-            return KvGetRunReply(arena.read(offset, reply.lengths), reply.ended)
-        finally:
+        if not reply.mapped or not (reply.lengths or reply.ended):
             arena.give(offset)
+            return False  # not mapped, or the next blob is bigger than a slot: that one goes over NATS
+        self.counts["blocks_via_shm"] += len(reply.lengths)
+        if reply.lengths and arena.free_slots >= self._reserve:
+            return KvGetRunReply(arena.lend(offset, reply.lengths), reply.ended)  # the slot comes back with them
+        blobs = arena.read(offset, reply.lengths)
+        arena.give(offset)
+        return KvGetRunReply(blobs, reply.ended)
 
     async def _put_shm(self, arena: Arena, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> int | None:
         if sum(map(len, blobs)) > arena.slot_bytes or (offset := arena.take()) is None:
             return None
         lengths = arena.write(offset, blobs)
-        request = KvPutShm(keys, lengths, str(arena.path), arena.token, offset, ttl_s)
-        reply = await self._shm_request(arena, offset, subjects.KV_PUT_SHM, request)
+        deadline = time.monotonic() + self._timeout
+        request = KvPutShm(keys, lengths, str(arena.path), arena.token, offset, ttl_s, deadline)
+        reply = await self._shm_request(arena, offset, deadline, subjects.KV_PUT_SHM, request)
         if reply is None:
             return 0
         arena.give(offset)
@@ -270,20 +385,21 @@ class KvClient:
         self.counts["blocks_via_shm"] += len(keys)
         return sum(reply.stored)
 
-    async def _shm_request(self, arena: Arena, offset: int, subject: str, request: object) -> KvShmReply | None:
-        """The store's reply; None on a timeout (the slot is retired: the store may write into it yet). A store
-        that cannot map the arena turns the shared-memory path off for this client. Cancelled (a run that ended
-        before this chunk), the request still runs to its end in the background and settles the slot then: the
-        store may be writing into it right now."""
+    async def _shm_request(self, arena: Arena, offset: int, deadline: float, subject: str, request: object
+                           ) -> KvShmReply | None:
+        """The store's reply; None on a timeout (the slot is retired until past `deadline`: the store may write
+        into it until then). A store that cannot map the arena turns the shared-memory path off for this client.
+        Cancelled (a run that ended before this chunk, a cancelled request), the request still runs to its end in
+        the background and settles the slot then: the store may be writing into it right now."""
         sent = asyncio.ensure_future(self._bus.request(subject, request, KvShmReply, timeout=self._timeout))
         try:
             reply = await asyncio.shield(sent)
         except asyncio.CancelledError:
-            sent.add_done_callback(lambda done: _settle(arena, offset, done))
+            sent.add_done_callback(lambda done: _settle(arena, offset, deadline, done))
             raise
         except BusTimeout as exc:
             log.warning("kv %s failed: %s", subject, exc)
-            arena.lose(offset)
+            arena.lose(offset, deadline)
             return None
         if not reply.mapped and self.arena is arena:
             log.warning("the kvcache service cannot map %s (another host?): KV bytes go over NATS", arena.path)
@@ -292,10 +408,11 @@ class KvClient:
         return reply
 
 
-def _settle(arena: Arena, offset: int, done: asyncio.Future[KvShmReply]) -> None:
-    """The slot of a request nobody waits for any more: lent again once the store answered, else retired."""
+def _settle(arena: Arena, offset: int, deadline: float, done: asyncio.Future[KvShmReply]) -> None:
+    """The slot of a request nobody waits for any more: lent again once the store answered, else retired until
+    its deadline has passed."""
     if done.cancelled() or done.exception() is not None:
-        arena.lose(offset)
+        arena.lose(offset, deadline)
     else:
         arena.give(offset)
 

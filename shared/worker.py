@@ -366,12 +366,14 @@ class EngineWorker(ABC):
         block = engine.block_tokens
         full = len(tokens) // block
         if full > stored and not self.cancelled(request_id):
-            if exported is not None:
+            if exported is not None:  # the bytes a peer hand-over exported already: no second export
                 assert exported.start <= stored
-                blobs = exported.blocks[stored - exported.start :]
+                await self.kv.put_many(list(zip(hashes[stored:full], exported.blocks[stored - exported.start :])))
             else:
-                blobs = await self.engine.call(engine.export_blocks, request_id, stored, full)
-            await self.kv.put_many(list(zip(hashes[stored:full], blobs)))
+                async def export(parts: list[tuple[int, int, memoryview]]) -> None:  # straight into the arena
+                    await self.engine.call(_export_parts, engine, request_id, stored, parts)
+
+                await self.kv.put_run(hashes[stored:full], export, engine.block_bytes)
         if self.cancelled(request_id):
             return b""
         if exported is not None:
@@ -420,6 +422,12 @@ class EngineWorker(ABC):
             await self.bus.publish(subjects.HEARTBEAT, beat)
         except Exception as exc:  # reconnecting: the balancer will notice the gap
             log.debug("heartbeat not sent: %s", exc)
+
+
+def _export_parts(engine: Engine, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:
+    """On the engine thread: blocks base + [lo, hi) of a request into each part's buffer, in one engine call."""
+    for lo, hi, out in parts:
+        engine.export_into(request_id, base + lo, base + hi, out)
 
 
 # --- short-term state through the kvcache service ----------------------------------------------------------------

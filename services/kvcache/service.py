@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -78,6 +79,7 @@ class KvCacheService:
         self._max_reply = 0
         self.events: EventPublisher | None = None
         self._arenas = ArenaMaps()  # same-host workers' shared memory (shared/kv_arena.py)
+        self.late_shm = 0  # shm requests that came past their deadline (refused: the slot is not theirs any more)
 
     # --- Service protocol --------------------------------------------------------------------------------------
 
@@ -158,7 +160,10 @@ class KvCacheService:
         arena = self._arenas.get(req.arena, req.token)  # again: the sweep may have unmapped it meanwhile
         if arena is None:
             return KvShmReply(mapped=False)
-        at = req.offset
+        if _late(req.deadline):  # the worker gave up on this slot and may lend it again: never write into it
+            self.late_shm += 1
+            return KvShmReply(mapped=True, lengths=[], ended=False)
+        at = req.offset  # from here to the reply no await: the writes end within the grace after the deadline
         for blob in run:
             arena[at : at + len(blob)] = blob
             at += len(blob)
@@ -187,6 +192,9 @@ class KvCacheService:
         for n in req.lengths:
             blobs.append(arena[at : at + n])  # a copy: the slot goes back to the worker with the reply
             at += n
+        if _late(req.deadline):  # read after the worker gave the slot up: the bytes may be another batch's
+            self.late_shm += 1
+            return KvShmReply(mapped=True, stored=[False] * len(req.keys))
         return KvShmReply(mapped=True, stored=await self._store(req.keys, blobs, req.ttl_s))
 
     async def _put(self, req: KvPut) -> KvPutReply:
@@ -290,7 +298,11 @@ class KvCacheService:
             if expired:
                 log.debug("expired %d entries", expired)
             if self._arenas.sweep():
-                log.info("unmapped the arenas of stopped workers; %d mapped", len(self._arenas))
+                log.info("unmapped the arenas of stopped or dead workers; %d mapped", len(self._arenas))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+
+def _late(deadline: float) -> bool:
+    return deadline > 0 and time.monotonic() >= deadline

@@ -32,7 +32,7 @@ from shared.engine import speculative as spec_decode
 from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutput
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import ModelConfig
-from shared.engine.kv_cache import KVCache
+from shared.engine.kv_cache import HostBuffer, KVCache
 from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
@@ -236,11 +236,20 @@ class Engine:
 
     def export_blocks(self, request_id: str, start: int, end: int) -> list[bytes]:
         """Blobs of blocks [start, end) of a running or held request; the last may be partial (full size)."""
+        return self.kv.read_blocks(self._exported(request_id, start, end))
+
+    def export_into(self, request_id: str, start: int, end: int, out: HostBuffer) -> None:
+        """Blocks [start, end) as export_blocks gives them, one after another into `out` (writable,
+        (end - start) * block_bytes bytes: an arena slot, a pinned buffer), with one copy."""
+        self.kv.export_run(self._exported(request_id, start, end), out)
+
+    def _exported(self, request_id: str, start: int, end: int) -> list[int]:
+        """The cache blocks behind blocks [start, end) of a request, checked to hold computed KV."""
         seq = self._live(request_id)
         computed_blocks = -(-seq.num_computed // self.block_tokens)
         if not 0 <= start <= end <= computed_blocks:
             raise ValueError(f"{request_id}: blocks [{start}, {end}) outside the {computed_blocks} with KV")
-        return self.kv.read_blocks(seq.block_table[start:end])
+        return seq.block_table[start:end]
 
     def export_state(self, request_id: str) -> bytes:
         """The request's short-term state after its computed tokens (b"" for models without one)."""

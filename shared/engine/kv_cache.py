@@ -25,10 +25,16 @@ end hold whatever was there (the importer overwrites them when it computes those
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import torch
+
+Blob = Union[bytes, bytearray, memoryview]
+HostBuffer = Union[bytes, bytearray, memoryview, np.ndarray, torch.Tensor]  # contiguous host memory
 
 
 @dataclass(frozen=True)
@@ -107,38 +113,54 @@ class KVCache:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
     # --- long-term blocks as bytes ----------------------------------------------------------------------------
+    # A run of blocks moves through one caller-given buffer (the shm arena's slot, a pinned host buffer), the
+    # blobs one after another: one copy each way (on a GPU one device<->host transfer), never a `bytes` per block.
 
-    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+    def export_run(self, blocks: list[int], out: HostBuffer) -> None:
+        """The blobs of `blocks` one after another into `out` (len(blocks) * block_bytes bytes, writable)."""
+        dst = host_bytes(out, len(blocks) * self.block_bytes)
         if not blocks:
-            return []
+            return
         if self.kv.device.type == "cpu":
             # (L, 2, N, B*K*D) bytes: each blob is the L*2 rows of its block, copied once by numpy (a 6-D permute
             # through torch copies at about a thirtieth of that on CPU)
             rows = self._rows()
-            return [rows[:, :, b].tobytes() for b in blocks]
+            per_block = dst.reshape(len(blocks), rows.shape[0], rows.shape[1], -1)
+            for i, b in enumerate(blocks):
+                per_block[i] = rows[:, :, b]
+            return
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
-        # (L, 2, n, B, K, D) -> (n, L, 2, B, K, D): one blob per block, one device->host copy for all of them
-        data = self.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-        raw = data.view(len(blocks), -1).view(torch.uint8).numpy()
-        return [raw[i].tobytes() for i in range(len(blocks))]
+        # (L, 2, n, B, K, D) -> (n, L, 2, B, K, D) on the device, then one device->host copy
+        data = self.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        torch.from_numpy(dst).copy_(data.view(-1).view(torch.uint8))
 
-    def write_blocks(self, blocks: list[int], blobs: list[bytes]) -> None:
-        assert len(blocks) == len(blobs)
+    def import_run(self, blocks: list[int], src: HostBuffer) -> None:
+        """Write `blocks` from `src`, their blobs one after another (what export_run wrote)."""
+        assert self.spec.paged is not None
+        data = host_bytes(src, len(blocks) * self.block_bytes)
         if not blocks:
             return
-        assert self.spec.paged is not None
-        for blob in blobs:
-            if len(blob) != self.block_bytes:
-                raise ValueError(f"KV blob of {len(blob)} bytes, expected {self.block_bytes}")
         if self.kv.device.type == "cpu":
             rows = self._rows()
-            for b, blob in zip(blocks, blobs):
-                rows[:, :, b] = np.frombuffer(blob, dtype=np.uint8).reshape(rows.shape[0], rows.shape[1], -1)
+            per_block = data.reshape(len(blocks), rows.shape[0], rows.shape[1], -1)
+            for i, b in enumerate(blocks):
+                rows[:, :, b] = per_block[i]
             return
-        raw = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
-        data = raw.view(self.kv.dtype).view(len(blocks), *self.spec.paged.block_shape).to(self.kv.device)
+        raw = to_device(data, self.kv.device)  # one host->device copy
+        runs = raw.view(self.kv.dtype).view(len(blocks), *self.spec.paged.block_shape)
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(2, index, data.permute(1, 2, 0, 3, 4, 5))
+        self.kv.index_copy_(2, index, runs.permute(1, 2, 0, 3, 4, 5))
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        """The blobs of `blocks` as bytes (the NATS path): export_run, then one bytes per block."""
+        return split_blobs(self.export_run, blocks, self.block_bytes)
+
+    def write_blocks(self, blocks: list[int], blobs: Sequence[Blob]) -> None:
+        """Write blobs (bytes, or views of a buffer such as the arena's: imported from where they lie)."""
+        assert len(blocks) == len(blobs)
+        check_blobs(blobs, self.block_bytes)
+        for at, end, data in runs_of(blobs, self.kv.device.type == "cpu"):
+            self.import_run(blocks[at:end], data)
 
     def _rows(self) -> np.ndarray:
         """The cache's bytes as a writable (L, 2, N, B*K*D*itemsize) array, no copy (CPU only)."""
@@ -162,3 +184,83 @@ class KVCache:
         """A request is admitted with `restored` tokens' KV in its blocks: compute from there (all of Llama's
         KV is long-term, nothing to rebuild)."""
         return restored
+
+
+# --- host buffers (shared with models that have their own long-term layout) --------------------------------------
+
+
+def host_bytes(buf: HostBuffer, nbytes: int) -> np.ndarray:
+    """`buf` as a flat uint8 array over the same memory, no copy (a CPU tensor, a numpy array, a bytes-like)."""
+    if isinstance(buf, torch.Tensor):
+        assert buf.device.type == "cpu" and buf.is_contiguous(), "a contiguous host tensor"
+        arr = buf.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+    if arr.size != nbytes:
+        raise ValueError(f"a buffer of {arr.size} bytes for a run of {nbytes}")
+    return arr
+
+
+def to_device(data: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host->device copy of `data` (read-only memory is fine: nothing writes through the host tensor)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(data).to(device)
+
+
+def check_blobs(blobs: Sequence[Blob], block_bytes: int) -> None:
+    for blob in blobs:
+        if len(blob) != block_bytes:
+            raise ValueError(f"KV blob of {len(blob)} bytes, expected {block_bytes}")
+
+
+def split_blobs(export: Callable[[list[int], HostBuffer], None], blocks: list[int], block_bytes: int) -> list[bytes]:
+    buf = memoryview(bytearray(len(blocks) * block_bytes))
+    export(blocks, buf)
+    return [bytes(buf[i * block_bytes : (i + 1) * block_bytes]) for i in range(len(blocks))]
+
+
+def runs_of(blobs: Sequence[Blob], each: bool) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(start, end, bytes) covering `blobs` in order: blobs that lie back to back in one buffer (a run the arena
+    lent) as one view of it, so a run crosses to the device in one copy; the others joined into one copy per
+    stretch of them, so an import is a few large copies, not one per blob. `each`: every blob on its own, no
+    join (where one copy per block costs nothing more, as Llama's on the CPU)."""
+    if each:
+        for i, blob in enumerate(blobs):
+            yield i, i + 1, np.frombuffer(blob, dtype=np.uint8)
+        return
+    loose = 0  # the stretch of blobs that lie nowhere in particular starts here
+    at = 0
+    while at < len(blobs):
+        end, view = _adjacent(blobs, at)
+        if end - at > 1:
+            if loose < at:
+                yield loose, at, _joined(blobs[loose:at])
+            yield at, end, view
+            loose = end
+        at = end
+    if loose < len(blobs):
+        yield loose, len(blobs), _joined(blobs[loose:])
+
+
+def _adjacent(blobs: Sequence[Blob], at: int) -> tuple[int, np.ndarray]:
+    """The end of the run of views from `at` on that lie back to back in one buffer, and one view of the run."""
+    first = np.frombuffer(blobs[at], dtype=np.uint8)
+    owner = blobs[at].obj if isinstance(blobs[at], memoryview) else None
+    end, nbytes = at + 1, first.size
+    while owner is not None and end < len(blobs):
+        nxt = blobs[end]
+        if not isinstance(nxt, memoryview) or nxt.obj is not owner:
+            break
+        if np.frombuffer(nxt, dtype=np.uint8).ctypes.data != first.ctypes.data + nbytes:
+            break
+        end, nbytes = end + 1, nbytes + len(nxt)
+    if end - at == 1:
+        return end, first
+    whole = np.frombuffer(owner, dtype=np.uint8)
+    offset = first.ctypes.data - whole.ctypes.data
+    return end, whole[offset : offset + nbytes]
+
+
+def _joined(blobs: Sequence[Blob]) -> np.ndarray:
+    return np.frombuffer(blobs[0], dtype=np.uint8) if len(blobs) == 1 else np.frombuffer(b"".join(blobs), np.uint8)

@@ -84,6 +84,9 @@ class KvPutShm:
     token: bytes  # the arena's token: proves the store maps the same file (same host)
     offset: int
     ttl_s: float = 0.0
+    # CLOCK_MONOTONIC (one clock on a host): the store reads the slot only before it (0: no deadline); after it
+    # the sender may have lent the slot again
+    deadline: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class KvGetRunShm:
     token: bytes
     offset: int
     capacity: int
+    deadline: float = 0.0  # CLOCK_MONOTONIC: the store writes into the slot only before it (0: no deadline)
 
 
 @dataclass(frozen=True)

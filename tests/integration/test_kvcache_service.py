@@ -169,7 +169,8 @@ async def test_same_host_workers_move_the_bytes_through_shared_memory(nats_url: 
     service = KvCacheService(KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20,
                                            ram_bytes=64 << 20, ssd_bytes=128 << 20, instance="kv-shm"))
     bus = await Bus.connect(nats_url, "kvcache-shm")
-    client = open_client(bus, "shm", f"test-{os.getpid()}", message_bytes=4 * BLOCK, window_bytes=8 * BLOCK)
+    client = open_client(bus, "shm", f"test-{os.getpid()}", message_bytes=4 * BLOCK, window_bytes=8 * BLOCK,
+                         arena_bytes=32 * BLOCK)  # 8 slots of 4 blocks, 3 of them the window's reserve
     arena = client.arena
     try:
         await service.start(bus)
@@ -183,10 +184,10 @@ async def test_same_host_workers_move_the_bytes_through_shared_memory(nats_url: 
         holed = hashes[:9] + hashes[20:] + hashes[9:20]
         assert await client.get_run(holed) == blobs[:9]
         for _ in range(50):
-            if arena.free_slots == 3:
+            if arena.free_slots == 8:
                 break
             await asyncio.sleep(0.05)
-        assert arena.free_slots == 3 and arena.lost == 0
+        assert arena.free_slots == 8 and arena.lost == 0
         big = (b"part", b"p" * (6 * BLOCK))  # bigger than a slot: over NATS, both ways
         assert await client.put_many([big], ttl_s=60.0) and await client.get_run([big[0]]) == [big[1]]
         assert client.arena is arena and arena.lost == 0 and client.counts["puts_failed"] == 0
@@ -197,6 +198,59 @@ async def test_same_host_workers_move_the_bytes_through_shared_memory(nats_url: 
         assert await client.put_many(more)
         assert client.arena is None and client.counts["arena_refused"] == 1
         assert await client.get_run([k for k, _ in more]) == [b for _, b in more]
+    finally:
+        await service.stop()
+        await bus.drain()
+        arena.close()
+    assert not arena.path.exists()
+
+
+async def test_a_run_moves_engine_to_arena_to_engine_with_one_copy_each_way(nats_url: str, tmp_path: Path) -> None:
+    """put_run: the engine's cache exports a run straight into arena slots (no bytes per block); get_run: the
+    blobs come back as views of the slots the store wrote into, the other cache imports from them, and the slots
+    come back when the views go. Without an arena the same calls go over NATS with the same bytes."""
+    import torch
+
+    from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec
+
+    spec = CacheSpec(PagedSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16, dtype=torch.float32), 0)
+    src, dst = KVCache(spec, 24, torch.device("cpu")), KVCache(spec, 24, torch.device("cpu"))
+    src.kv.uniform_()
+    bb = src.block_bytes  # 32 KiB
+    service = KvCacheService(KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20,
+                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, instance="kv-run"))
+    bus = await Bus.connect(nats_url, "kvcache-run")
+    client = open_client(bus, "shm", f"test-run-{os.getpid()}", message_bytes=4 * bb, window_bytes=8 * bb,
+                         arena_bytes=64 * bb)  # 16 slots of 4 blocks
+    plain = KvClient(bus, message_bytes=4 * bb, window_bytes=8 * bb)
+    arena = client.arena
+    assert arena is not None
+    calls: list[int] = []
+
+    async def export(parts: list[tuple[int, int, memoryview]]) -> None:
+        calls.append(len(parts))
+        for lo, hi, out in parts:
+            src.export_run(list(range(lo, hi)), out)
+
+    try:
+        await service.start(bus)
+        keys = hashing.block_hashes(list(range(21 * 16)), hashing.namespace("run"), 16)
+        assert await client.put_run(keys[:18], export, bb)
+        assert calls == [5] and client.counts["blocks_via_shm"] == 18  # 18 blocks in 5 slots, one export call
+        got = await client.get_run(keys[:18])  # the whole run: no chunk left in flight (see the test above)
+        assert len(got) == 18 and all(isinstance(b, memoryview) for b in got)  # views of the arena, no copy
+        assert arena.free_slots == 16 - 5  # lent to the views until the engine is done with them
+        dst.write_blocks(list(range(18)), got)
+        assert torch.equal(dst.kv[:, :, :18], src.kv[:, :, :18])
+        del got
+        await asyncio.sleep(0)  # one loop turn: asyncio lets go of the last chunk's finished task there
+        assert arena.free_slots == 16 and arena.lent_slots == 0
+
+        # over NATS: the same bytes, an export call per window, blobs as bytes
+        calls.clear()
+        assert await plain.put_run(keys[18:21], export, bb) and calls == [1]
+        back = await plain.get_run(keys[18:21])
+        assert back == src.read_blocks([0, 1, 2]) and all(isinstance(b, bytes) for b in back)
     finally:
         await service.stop()
         await bus.drain()

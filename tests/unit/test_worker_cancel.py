@@ -63,6 +63,12 @@ class FakeKv:
             await self.gate.wait()
         self.puts.append([key for key, _ in items])
 
+    async def put_run(self, keys: list[bytes], export: Any, block_bytes: int, ttl_s: float = 0.0) -> bool:
+        """As KvClient.put_run: the engine exports the run first, then the store takes its time."""
+        await export([(0, len(keys), memoryview(bytearray(len(keys) * block_bytes)))])
+        await self.put_many([(key, b"") for key in keys], ttl_s)
+        return True
+
 
 def worker(checkpoint: Path, loaded: LoadedModel) -> DecodeService:  # noqa: F811
     config = ServiceConfig("nats://127.0.0.1:4222", "decode-test", Path("."), str(checkpoint))

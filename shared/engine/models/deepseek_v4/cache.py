@@ -33,11 +33,13 @@ widen the cone by W - 1 tokens per layer, so `num_layers * (window - 1)` tokens 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from shared.engine.kv_cache import Blob, HostBuffer, check_blobs, host_bytes, runs_of, split_blobs, to_device
 from shared.engine.models.deepseek_v4.spec import CSA, DeepseekV4Spec
 
 HEADER = 24  # length, begin, mtp_length as int64
@@ -172,30 +174,52 @@ class V4Cache:
         self._pending.pop(request_id, None)
 
     # --- long-term blocks as bytes ----------------------------------------------------------------------------
+    # A block's blob: every paged tensor's row of that block, flattened, in `_paged` order. A run moves through
+    # one caller-given buffer with one copy each way (kv_cache.KVCache.export_run has the contract).
 
-    def read_blocks(self, blocks: list[int]) -> list[bytes]:
-        if not blocks:
-            return []
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        parts = [t.index_select(0, index).flatten(1) for t in self._paged]  # each (n, elems)
-        raw = torch.cat(parts, dim=1).cpu().contiguous().view(torch.uint8).numpy()
-        return [raw[i].tobytes() for i in range(len(blocks))]
-
-    def write_blocks(self, blocks: list[int], blobs: list[bytes]) -> None:
-        assert len(blocks) == len(blobs)
+    def export_run(self, blocks: list[int], out: HostBuffer) -> None:
+        dst = host_bytes(out, len(blocks) * self.block_bytes).reshape(len(blocks), -1)  # (n, block_bytes)
         if not blocks:
             return
-        for blob in blobs:
-            if len(blob) != self.block_bytes:
-                raise ValueError(f"KV blob of {len(blob)} bytes, expected {self.block_bytes}")
-        raw = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(self.dtype)
-        data = raw.view(len(blocks), -1).to(self.device)
+        if self.device.type == "cpu":
+            at = 0
+            for t in self._paged:  # each tensor's rows of the run, gathered straight into their columns
+                rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()  # (N, row bytes)
+                np.take(rows, blocks, axis=0, out=dst[:, at : at + rows.shape[1]], mode="clip")
+                at += rows.shape[1]
+            return
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        parts = [t.index_select(0, index).flatten(1) for t in self._paged]  # each (n, elems), on the device
+        data = torch.cat(parts, dim=1).view(torch.uint8)  # (n, block_bytes)
+        torch.from_numpy(dst).copy_(data)  # one device->host copy
+
+    def import_run(self, blocks: list[int], src: HostBuffer) -> None:
+        data = host_bytes(src, len(blocks) * self.block_bytes).reshape(len(blocks), -1)
+        if not blocks:
+            return
+        if self.device.type == "cpu":
+            at = 0
+            for t in self._paged:
+                rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+                rows[blocks] = data[:, at : at + rows.shape[1]]
+                at += rows.shape[1]
+            return
+        run = to_device(data, self.device).view(self.dtype).view(len(blocks), -1)  # one host->device copy
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         at = 0
         for t in self._paged:
             n = t[0].numel()
-            t.index_copy_(0, index, data[:, at : at + n].view(len(blocks), *t.shape[1:]))
+            t.index_copy_(0, index, run[:, at : at + n].reshape(len(blocks), *t.shape[1:]))
             at += n
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        return split_blobs(self.export_run, blocks, self.block_bytes)
+
+    def write_blocks(self, blocks: list[int], blobs: Sequence[Blob]) -> None:
+        assert len(blocks) == len(blobs)
+        check_blobs(blobs, self.block_bytes)
+        for at, end, data in runs_of(blobs, False):  # per run, not per blob: a few large copies per tensor
+            self.import_run(blocks[at:end], data)
 
     # --- short-term state as bytes ----------------------------------------------------------------------------
 
