@@ -67,7 +67,7 @@ def test_two_workers_share_one_gpu() -> None:
 
     root = Path(__file__).resolve().parents[2]
     _, total = torch.cuda.mem_get_info()
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     procs, lines = [], []
     try:
         for _ in range(2):
