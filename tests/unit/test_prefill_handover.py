@@ -6,6 +6,7 @@ the hand-over leaves nothing held anywhere."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,14 @@ class FakeKv:
         self.bus.sent.append(("put", len(items)))
         self.keys += [key for key, _ in items]
         return True
+
+    async def put_run(self, keys: list[bytes], export: Callable[[list[tuple[int, int, memoryview]]], Awaitable[None]],
+                      block_bytes: int, ttl_s: float = 0.0) -> bool:
+        """As KvClient.put_run: the engine exports the run into the client's buffer, then the store takes it."""
+        buf = memoryview(bytearray(len(keys) * block_bytes))
+        await export([(0, len(keys), buf)])
+        return await self.put_many([(k, bytes(buf[i * block_bytes : (i + 1) * block_bytes])) for i, k in enumerate(keys)],
+                                   ttl_s)
 
 
 def prefill(checkpoint: Path, loaded: LoadedModel, handover: str) -> PrefillService:  # noqa: F811
