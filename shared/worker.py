@@ -28,7 +28,7 @@ import orjson
 from shared import short_term, subjects
 from shared.bus import Bus, Envelope, WorkQueue
 from shared.config import DEFAULT_MAX_RUNNING, ServiceConfig, default_batch_tokens
-from shared.engine.api import RequestError
+from shared.engine.api import EngineFailure, RequestError
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.device import default_device
 from shared.engine.engine import Engine
@@ -256,6 +256,12 @@ class EngineWorker(ABC):
             log.info("%s: refused by the engine: %s", request_id, exc)
             await self.publish_tokens(TokenEvent(request_id, index=0, token_ids=[], finish_reason="error",
                                                  error=str(exc), error_status=400), env)
+        except EngineFailure as exc:
+            # the engine failed under the request (not the client's doing): fail it explicitly now, and settle
+            # the job, since a redelivery would most likely fail the same way on the same worker
+            log.error("%s: %s", request_id, exc)
+            await self.publish_tokens(TokenEvent(request_id, index=0, token_ids=[], finish_reason="error",
+                                                 error=str(exc), error_status=500), env)
         except Exception:
             if request_id not in self._cancelled:
                 failed = True  # redelivered to try again: not an end to remember

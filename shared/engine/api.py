@@ -12,6 +12,11 @@ class RequestError(ValueError):
     worker answers it as a 4xx; any other ValueError from the engine is a bug on the caller's side."""
 
 
+class EngineFailure(RuntimeError):
+    """A step the request was in failed (a kernel error, out of device memory): the engine dropped every request
+    of that step. The worker answers the client with a 500 at once rather than let it wait for a timeout."""
+
+
 @dataclass
 class EngineRequest:
     request_id: str

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from shared.engine.api import EngineStats
+from shared.engine.api import EngineFailure, EngineStats
 from shared.engine.engine import Engine, EngineRequest, StepOutput
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._outputs: dict[str, asyncio.Queue[StepOutput | None]] = {}
+        self._outputs: dict[str, asyncio.Queue[StepOutput | EngineFailure | None]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -74,7 +74,7 @@ class AsyncEngine:
         Leaving the iteration early (the consumer stopped or was cancelled) aborts the request, so its blocks
         are freed whatever happens to the caller.
         """
-        queue: asyncio.Queue[StepOutput | None] = asyncio.Queue()
+        queue: asyncio.Queue[StepOutput | EngineFailure | None] = asyncio.Queue()
         self._outputs[req.request_id] = queue
         finished = aborted = False
         try:
@@ -82,9 +82,12 @@ class AsyncEngine:
             self._wakeup.set()
             while True:
                 out = await queue.get()
-                if out is None:  # aborted (by abort/abort_many, a failed step or stop: the engine let it go)
+                if out is None:  # aborted (by abort/abort_many or stop: the engine let it go)
                     aborted = True
                     return
+                if isinstance(out, EngineFailure):  # its step failed: the engine dropped it already
+                    aborted = True
+                    raise out
                 yield out
                 if out.finish_reason is not None:
                     finished = True
@@ -118,11 +121,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = await self.call(self.engine.step)
-            except Exception:
+            except Exception as exc:
                 log.exception("engine step failed; aborting its requests")
+                failure = EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}")
                 for request_id, queue in list(self._outputs.items()):
                     await self.call(self.engine.abort, request_id)
-                    queue.put_nowait(None)
+                    queue.put_nowait(failure)
                 continue
             for out in outputs:
                 queue = self._outputs.get(out.request_id)

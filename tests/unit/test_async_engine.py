@@ -10,7 +10,7 @@ import asyncio
 
 import torch
 
-from shared.engine.api import EngineRequest
+from shared.engine.api import EngineFailure, EngineRequest
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel
@@ -47,4 +47,33 @@ async def test_stats_are_a_snapshot_read_while_the_engine_steps(loaded: LoadedMo
     assert seen_waiting > 0  # the snapshots followed the queue while it was long
     await engine.call(lambda: None)  # any call ends with a fresh snapshot
     assert engine.stats.running == engine.stats.waiting == 0
+    await engine.stop()
+
+
+async def test_a_failed_step_fails_its_requests_explicitly_and_the_engine_goes_on(loaded: LoadedModel) -> None:  # noqa: F811
+    """A step that raises (a kernel error, out of device memory) ends every request in it with EngineFailure,
+    which the worker answers as a 500 at once, instead of a silent end the client would wait on; the blocks are
+    freed and the next request runs as if nothing happened."""
+    engine = AsyncEngine(Engine(loaded, device="cpu", dtype=torch.float32, kv_blocks=64, max_running=4))
+    engine.start()
+    real_step = engine.engine.step
+    calls = 0
+
+    def failing_step() -> list:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step()
+
+    engine.engine.step = failing_step  # type: ignore[method-assign]
+
+    async def consume(i: int) -> int:
+        return sum(len(out.token_ids) for out in [o async for o in engine.generate(_request(i))])
+
+    results = await asyncio.wait_for(asyncio.gather(consume(0), consume(1), return_exceptions=True), timeout=60)
+    assert all(isinstance(r, EngineFailure) and "illegal memory access" in str(r) for r in results), results
+    assert await asyncio.wait_for(consume(2), timeout=60) == 3  # the engine still serves
+    await engine.call(lambda: None)
+    assert engine.stats.free_blocks == engine.stats.total_blocks  # the failed requests hold nothing
     await engine.stop()

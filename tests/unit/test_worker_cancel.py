@@ -169,3 +169,30 @@ async def test_a_job_that_failed_is_not_an_end_its_redelivery_runs(checkpoint: P
     assert tokens_of(svc, "r1") == 4 - 1
     assert svc.jobs == {"run": 2}
     await svc.engine.stop()
+
+
+async def test_an_engine_failure_answers_the_client_with_a_500_at_once(checkpoint: Path,  # noqa: F811
+                                                                      loaded: LoadedModel) -> None:  # noqa: F811
+    """A step that fails under a request ends it explicitly: an error event (500) on its token stream, the job
+    settled (not redelivered to fail again), the request remembered as ended; the next job runs normally."""
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    real_step = svc.engine.engine.step
+    calls = 0
+
+    def failing_step() -> list:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("CUDA out of memory")
+        return real_step()
+
+    svc.engine.engine.step = failing_step  # type: ignore[method-assign]
+    await asyncio.wait_for(svc._on_job(job("r1", max_tokens=4), ENV), timeout=60)
+    bus: FakeBus = svc.bus  # type: ignore[assignment]
+    errors = [m for s, m in bus.published if s == subjects.tokens("r1") and isinstance(m, TokenEvent) and m.error]
+    assert len(errors) == 1 and errors[0].error_status == 500 and "CUDA out of memory" in errors[0].error
+    assert "r1" in svc._ended  # a redelivery of its job is dropped, not run again
+    await asyncio.wait_for(svc._on_job(job("r2", max_tokens=4), ENV), timeout=60)
+    assert tokens_of(svc, "r2") == 4 - 1
+    await svc.engine.stop()
