@@ -20,7 +20,7 @@ Per layout (export / import: the engine's share of (a) / (b)), with --io run (th
 and with --io blocks (before the one-copy path): read_blocks (a bytes per block), put_many, get_run, write_blocks.
     (c) hand-over        (a) then a lookup and (b): what lies between prefill's first token and decode's first
                          step on the store path (routing and the engine's own step excluded)
-    (c) peer             the same on the peer path (shared/kv_peer.py, the default --kv-handover): a prefill
+    (c) peer             the same on the peer path (shared/worker/kv_peer.py, the default --kv-handover): a prefill
                          process (this file, --peer-child) exports the run with read_blocks into its hand-over
                          when told (the job leaving), while decode pulls it over kv.peer.<worker> (4 MiB
                          messages, 2 in flight, crc32 checked), then write_blocks: export + one NATS crossing +
@@ -65,13 +65,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import natsserver, subjects  # noqa: E402
+from shared import subjects
+from shared.launch import natsserver  # noqa: E402
 from shared.bus import Bus, BusTimeout  # noqa: E402
 from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
-from shared.kv_peer import Handovers, PeerPuller  # noqa: E402
-from shared.kvclient import KvClient  # noqa: E402
+from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
+from shared.worker.kvclient import KvClient  # noqa: E402
 from shared.schemas.kv import KvPeerDone, KvPeerPull  # noqa: E402
 from shared.schemas.workers import HealthReply, HealthRequest  # noqa: E402
 from shared.service import health_subject  # noqa: E402
@@ -418,7 +419,7 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
         sizes = {k: int(v * MiB) for k, v in (("message_bytes", args.message_mib), ("window_bytes", args.window_mib))
                  if v is not None}  # only when asked: the client before batching took neither
         if args.transport != "nats":
-            from shared.kvclient import open_client
+            from shared.worker.kvclient import open_client
 
             arena = {"arena_bytes": args.arena_mib * MiB} if args.arena_mib else {}
             kv = open_client(bus, args.transport, "bench", **sizes, **arena)

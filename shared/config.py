@@ -12,7 +12,7 @@ from shared.logs import LOG_FORMATS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-# the workers' batch limits (shared/worker.py), here so `deepinfer up --help` shows them without importing torch
+# the workers' batch limits (shared/worker/service.py), here so `deepinfer up --help` shows them without importing torch
 DEFAULT_MAX_BATCH_TOKENS = 512  # on a CPU; on a GPU, by role (default_batch_tokens)
 GPU_BATCH_TOKENS = {"prefill": 16384, "decode": 2048}
 DEFAULT_MAX_RUNNING = 64

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import natsserver
+from shared.launch import natsserver
 
 # Without a GPU, Triton kernels run in Triton's interpreter. The flag must be set before anything imports
 # triton (transformers and torch may do so during collection), so it is set here, first.

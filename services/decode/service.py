@@ -5,7 +5,7 @@ service: full blocks, and a snapshot at the prompt's end (partial block + the mo
 imports what it can get (a missing block means the rest is recomputed here, never a failure), joins the request
 to the running batch, and publishes each step's tokens on the request's token stream at their output positions.
 When the request ends it stores the output's full blocks and a snapshot at the output's end, so the next turn
-of the conversation finds both (shared/short_term.py).
+of the conversation finds both (shared/worker/short_term.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import logging
 
 from collections import Counter
 
-from shared import hashing, short_term
+from shared import hashing
 from shared.bus import Envelope
 from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
-from shared.kv_peer import PeerPuller
-from shared.kvclient import MESSAGE_OVERHEAD, MiB
+from shared.worker.kv_peer import PeerPuller
+from shared.worker.kvclient import MESSAGE_OVERHEAD, MiB
 from shared.schemas.generate import DecodeJob, TokenEvent
-from shared.worker import EngineWorker, WorkerConfig
+from shared.worker import short_term
+from shared.worker.config import WorkerConfig
+from shared.worker.service import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +34,16 @@ class DecodeService(EngineWorker):
 
     def __init__(self, config: ServiceConfig, worker: WorkerConfig) -> None:
         super().__init__(config, worker)
-        self.peers: PeerPuller | None = None  # pulls from prefill workers' hand-overs (shared/kv_peer.py)
+        self.peers: PeerPuller | None = None  # pulls from prefill workers' hand-overs (shared/worker/kv_peer.py)
         self.fetched: Counter[str] = Counter()  # prompt blocks from the own cache, the store (the peer's: peers)
 
     async def handle(self, job: DecodeJob, env: Envelope) -> None:
-        assert self.engine is not None and self.kv is not None and self.bus is not None
-        engine = self.engine.engine
+        assert self.engine is not None and self.transfer is not None and self.kv is not None and self.bus is not None
+        layout = self.engine.layout
         req = job.request
         prompt = req.prompt_ids
         blobs, snap = await self._prompt_kv(job)
-        prefix_tokens, state = len(blobs) * engine.block_tokens, b""
+        prefix_tokens, state = len(blobs) * layout.block_tokens, b""
         if len(blobs) == len(job.block_hashes):
             if snap is None and job.snapshot_key:
                 stored = await short_term.load(self.kv, job.snapshot_key)
@@ -82,12 +84,13 @@ class DecodeService(EngineWorker):
                 )
                 index += len(out.token_ids)
             if finish_reason is not None:  # the next turn starts with this one: keep its KV findable
-                ns = hashing.namespace(engine.cache_id, req.cache_salt)
+                ns = hashing.namespace(layout.cache_id, req.cache_salt)
                 computed = tokens[:-1]  # the last token was sampled, never computed
-                hashes = hashing.block_hashes(computed, ns, engine.block_tokens)
-                await self.store_kv(req.request_id, computed, ns, hashes, prefix_tokens // engine.block_tokens)
+                hashes = hashing.block_hashes(computed, ns, layout.block_tokens)
+                stored = prefix_tokens // layout.block_tokens
+                await self.transfer.store_kv(req.request_id, computed, ns, hashes, stored)
         finally:
-            await self.engine.call(engine.release, req.request_id)
+            await self.engine.release(req.request_id)
         if finish_reason is None:
             log.info("%s: aborted after %d tokens", req.request_id, index)
 
@@ -95,15 +98,15 @@ class DecodeService(EngineWorker):
         """The leading run of the prompt's full blocks this worker can have (b"" for those its own prefix cache
         holds, then the prefill peer's, then the store's), and the snapshot at the prompt's end (partial block,
         model state) when the peer gave it whole. Each source only continues where the one before stopped."""
-        assert self.engine is not None and self.kv is not None
+        assert self.engine is not None and self.transfer is not None and self.kv is not None
         hashes = job.block_hashes
         rid = job.request.request_id
         if job.peer_lease_s <= 0 or self.peers is None:
-            blobs = await self.fetch_blocks(hashes)  # the store path, as before the hand-over existed
+            blobs = await self.transfer.fetch_blocks(hashes)  # the store path, as before the hand-over existed
             self.fetched["store_blocks"] += sum(1 for b in blobs if b)
             self.fetched["local_blocks"] += sum(1 for b in blobs if not b)
             return blobs, None
-        local = await self.engine.call(self.engine.engine.cached_blocks, hashes)
+        local = await self.engine.cached_blocks(hashes)
         self.fetched["local_blocks"] += local
         pulled = await self.peers.pull(job.prefill_worker, rid, hashes, local, lambda: self.cancelled(rid))
         blobs, snap = [b""] * local + pulled.blocks, pulled.snapshot
@@ -114,12 +117,12 @@ class DecodeService(EngineWorker):
             blobs += got
         return blobs, snap
 
-    # --- the hand-over's decode side (shared/kv_peer.py) ----------------------------------------------------------
+    # --- the hand-over's decode side (shared/worker/kv_peer.py) -----------------------------------------------------
 
     async def serve_handover(self) -> None:
         assert self._kv_bus is not None and self.engine is not None
         message = min(4 * MiB, self._kv_bus.max_payload - MESSAGE_OVERHEAD)
-        self.peers = PeerPuller(self._kv_bus, self.engine.engine.block_bytes, message_bytes=message)
+        self.peers = PeerPuller(self._kv_bus, self.engine.layout.block_bytes, message_bytes=message)
 
     def handover_counts(self) -> dict[str, int]:
         return {**self.fetched, **(self.peers.counts if self.peers is not None else {})}

@@ -1,5 +1,5 @@
 from shared.service import main
-from shared.worker import add_worker_args, worker_config
+from shared.worker.config import add_worker_args, worker_config
 
 from services.prefill.service import PrefillService
 

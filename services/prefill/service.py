@@ -1,10 +1,10 @@
 """The prefill worker: prompt in, first token and the prompt's KV out.
 
 For each job: find what the kvcache service already has of the prompt (the longest run of full blocks, and the
-longest short-term snapshot on top of it: a previous turn's end, shared/short_term.py), import that, compute the
+longest short-term snapshot on top of it: a previous turn's end, shared/worker/short_term.py), import that, compute the
 rest (chunked, batched with other prompts), sample the first token, hand the request to the decode balancer
 and send the token to the client, export the prompt's KV once and hold those bytes for the decode worker's pull
-(shared/kv_peer.py: until it says done, a lease ends or a cancel comes), and store the new full blocks under
+(shared/worker/kv_peer.py: until it says done, a lease ends or a cancel comes), and store the new full blocks under
 their chained hashes and a snapshot at the prompt's end (partial last block + the model's per-request state)
 for later turns. With `--kv-handover store` the job goes after the store instead, and decode reads it there.
 """
@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 import time
 
-from shared import hashing, short_term, subjects
+from shared import hashing, subjects
 from shared.bus import Envelope
 from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
-from shared.kv_peer import Handovers
+from shared.worker.kv_peer import Handovers
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent
 from shared.schemas.kv import KvPeerDone, KvPeerPull
-from shared.worker import EngineWorker, ExportedKv, WorkerConfig
+from shared.worker import short_term
+from shared.worker.config import WorkerConfig
+from shared.worker.kv_transfer import ExportedKv
+from shared.worker.service import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +37,15 @@ class PrefillService(EngineWorker):
 
     def __init__(self, config: ServiceConfig, worker: WorkerConfig) -> None:
         super().__init__(config, worker)
-        self.handovers = Handovers()  # prompts' KV held for their decode workers' pulls (shared/kv_peer.py)
+        self.handovers = Handovers()  # prompts' KV held for their decode workers' pulls (shared/worker/kv_peer.py)
 
     async def handle(self, job: PrefillJob, env: Envelope) -> None:
-        assert self.engine is not None and self.kv is not None and self.bus is not None
-        engine = self.engine.engine
+        assert self.engine is not None and self.transfer is not None and self.kv is not None and self.bus is not None
+        layout = self.engine.layout
         req = job.request
         prompt = req.prompt_ids
-        block = engine.block_tokens
-        ns = hashing.namespace(engine.cache_id, req.cache_salt)
+        block = layout.block_tokens
+        ns = hashing.namespace(layout.cache_id, req.cache_salt)
         hashes = hashing.block_hashes(prompt, ns, block)
         prefix, prefix_tokens, state = await self._restore(prompt, ns, hashes)
         if self.cancelled(req.request_id):
@@ -93,16 +96,16 @@ class PrefillService(EngineWorker):
                 await self._hand_over(req, token, hashes, self._snapshot_key(prompt, ns, hashes),
                                       first.num_cached_tokens, self.handovers.lease_s)
                 await self.publish_tokens(event, env)
-                exported = await self.export_kv(req.request_id, len(prompt), 0)
+                exported = await self.transfer.export_kv(req.request_id, len(prompt), 0)
                 self.handovers.fill(req.request_id, exported.blocks, exported.tail, exported.state,
-                                    self.state_part_bytes())
+                                    self.transfer.state_part_bytes)
         except BaseException:
             # failed or cancelled before the bytes were in (a cancel ended it already): a pull that waits for
             # them answers "not found" now, not when the lease ends
             self.handovers.end(req.request_id, "failed")
             raise
         finally:
-            await self.engine.call(engine.release, req.request_id)
+            await self.engine.release(req.request_id)
         if peer:  # from the exported bytes: the engine's blocks are free for the next prompt already
             await self._store(req.request_id, prompt, ns, hashes, prefix_tokens // block, exported)
         elif not self.cancelled(req.request_id):  # cancelled during the store: nobody waits for a decode
@@ -111,8 +114,9 @@ class PrefillService(EngineWorker):
     async def _store(self, request_id: str, prompt: list[int], ns: bytes, hashes: list[bytes], stored: int,
                      exported: ExportedKv | None = None) -> bytes:
         """store_kv, timed for the log; `stored`: the leading full blocks that came from the store."""
+        assert self.transfer is not None
         started = time.monotonic()
-        key = await self.store_kv(request_id, prompt, ns, hashes, stored, exported)
+        key = await self.transfer.store_kv(request_id, prompt, ns, hashes, stored, exported)
         log.debug("%s: stored %d blocks in %.3fs", request_id, len(hashes) - stored, time.monotonic() - started)
         return key
 
@@ -133,12 +137,12 @@ class PrefillService(EngineWorker):
     def _snapshot_key(self, prompt: list[int], ns: bytes, hashes: list[bytes]) -> bytes:
         """The key store_kv will save the prompt's snapshot under (b"": it saves none)."""
         assert self.engine is not None
-        engine = self.engine.engine
-        if not len(prompt) % engine.block_tokens and not engine.has_request_state:
+        layout = self.engine.layout
+        if not len(prompt) % layout.block_tokens and not layout.has_request_state:
             return b""
-        return short_term.key_for(prompt, ns, hashes, len(prompt), engine.block_tokens)
+        return short_term.key_for(prompt, ns, hashes, len(prompt), layout.block_tokens)
 
-    # --- the hand-over's prefill side (shared/kv_peer.py) ---------------------------------------------------------
+    # --- the hand-over's prefill side (shared/worker/kv_peer.py) -----------------------------------------------------
 
     async def serve_handover(self) -> None:
         assert self._kv_bus is not None
@@ -158,18 +162,18 @@ class PrefillService(EngineWorker):
     async def _restore(self, prompt: list[int], ns: bytes, hashes: list[bytes]) -> tuple[list[bytes], int, bytes]:
         """(blobs, tokens they cover, model state) of the longest prefix the store can give back. The last
         prompt token is always computed: its logits give the first token."""
-        assert self.engine is not None and self.kv is not None
-        engine = self.engine.engine
-        block = engine.block_tokens
+        assert self.engine is not None and self.transfer is not None and self.kv is not None
+        layout = self.engine.layout
+        block = layout.block_tokens
         # leased: the run stays in the store (no eviction) until the gets below have read it
         run = min((await self.kv.lookup_run(hashes, lease_s=LEASE_S)).hits, (len(prompt) - 1) // block)
         found = await short_term.find(self.kv, prompt, ns, hashes[:run], block, len(prompt) - 1)
         # blocks alone resume at run * block, less the replay that rebuilds a model's short-term state
-        if found is not None and found[0].length > run * block - (engine.replay_tokens if run else 0):
+        if found is not None and found[0].length > run * block - (layout.replay_tokens if run else 0):
             snap = found[0]
             full = snap.length // block
-            blobs = await self.fetch_blocks(hashes[:full])
+            blobs = await self.transfer.fetch_blocks(hashes[:full])
             if len(blobs) == full:
                 return blobs + ([snap.tail] if snap.tail else []), snap.length, snap.state
-        blobs = await self.fetch_blocks(hashes[:run])
+        blobs = await self.transfer.fetch_blocks(hashes[:run])
         return blobs, len(blobs) * block, b""

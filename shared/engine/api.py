@@ -42,6 +42,17 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class KvLayout:
+    """What a worker needs to know of an engine's KV to move it: fixed once the engine is built."""
+
+    block_tokens: int
+    block_bytes: int  # one block's bytes, every layer
+    cache_id: str  # names the model, dtype and layout: blocks of different ids never mix
+    has_request_state: bool  # per-request state (DeepSeek-V4's rings) travels with the blocks
+    replay_tokens: int  # tokens recomputed before a prefix restored without that state
+
+
+@dataclass(frozen=True)
 class EngineStats:
     free_blocks: int
     total_blocks: int

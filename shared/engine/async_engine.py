@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from shared.engine.api import EngineFailure, EngineStats
+from shared.engine.api import EngineFailure, EngineStats, KvLayout
 from shared.engine.engine import Engine, EngineRequest, StepOutput
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ class AsyncEngine:
         self._stopped = False
         self._stats = engine.stats()  # no engine thread yet: safe to read here
         self._stats_at = time.monotonic()
+        self.layout = KvLayout(engine.block_tokens, engine.block_bytes, engine.cache_id, engine.has_request_state,
+                               engine.replay_tokens)
 
     @property
     def stats(self) -> EngineStats:
@@ -51,6 +53,29 @@ class AsyncEngine:
     @property
     def cache_id(self) -> str:
         return self.engine.cache_id
+
+    # --- the KV a worker moves: each an engine call between steps ---------------------------------------------
+
+    async def cached_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` the engine's own prefix cache holds now."""
+        return await self.call(self.engine.cached_blocks, hashes)
+
+    async def release(self, request_id: str) -> None:
+        """Free a held request's blocks (its KV is exported or no longer wanted)."""
+        await self.call(self.engine.release, request_id)
+
+    async def export_blocks(self, request_id: str, start: int, end: int) -> list[bytes]:
+        return await self.call(self.engine.export_blocks, request_id, start, end)
+
+    async def export_state(self, request_id: str) -> bytes:
+        """The request's per-request state (b"" for a model without one)."""
+        if not self.layout.has_request_state:
+            return b""
+        return await self.call(self.engine.export_state, request_id)
+
+    async def export_into(self, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:
+        """Blocks base + [lo, hi) of a request into each part's buffer, in one engine call."""
+        await self.call(_export_parts, self.engine, request_id, base, parts)
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run())
@@ -142,3 +167,8 @@ class AsyncEngine:
         for queue in self._outputs.values():
             queue.put_nowait(None)
         self._thread.shutdown(wait=True)
+
+
+def _export_parts(engine: Engine, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:
+    for lo, hi, out in parts:
+        engine.export_into(request_id, base + lo, base + hi, out)

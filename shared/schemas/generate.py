@@ -43,10 +43,10 @@ class DecodeJob:
 
     The prompt's KV is in the kvcache service: full blocks under `block_hashes` (the shared chained hash), and a
     short-term snapshot at the prompt's end under `snapshot_key` (the partial last block and the model's
-    per-request state: shared/short_term.py; b"" = none stored). `first_token` was sampled by prefill.
+    per-request state: shared/worker/short_term.py; b"" = none stored). `first_token` was sampled by prefill.
 
     With `peer_lease_s` > 0 the job left prefill before the store had the KV: the prefill worker holds it for
-    a direct pull (`kv.peer.<prefill_worker>`, shared/kv_peer.py) that long, while it stores it for later turns.
+    a direct pull (`kv.peer.<prefill_worker>`, shared/worker/kv_peer.py) that long, while it stores it for later turns.
     """
 
     request: GenerateRequest

@@ -147,7 +147,7 @@ class KvStatsReply:
     leases: int = 0  # leases held now
 
 
-# --- the hand-over: decode pulls a request's prompt KV straight from the prefill worker (shared/kv_peer.py) -------
+# --- the hand-over: decode pulls a request's prompt KV straight from the prefill worker (shared/worker/kv_peer.py) 
 
 
 @dataclass(frozen=True)

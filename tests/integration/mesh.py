@@ -59,7 +59,7 @@ class Mesh:
 def start_mesh(state_dir: Path, *extra: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> Mesh:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--state-dir", str(state_dir), *extra],
+        [sys.executable, "-m", "shared.launch.cli", "up", "--port", str(port), "--state-dir", str(state_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -20,8 +20,8 @@ from services.kvcache.service import KvCacheService
 from shared import hashing
 from shared.bus import Bus
 from shared.kv_arena import GRACE_S, PREFIX, SHM_DIR, Arena, arena_path
-from shared.kvclient import KvClient, open_client
-from shared.process import die_with_parent
+from shared.worker.kvclient import KvClient, open_client
+from shared.launch.process import die_with_parent
 from tests.integration.test_kv_faults import kill, payload, start_kvcache, wait_ready
 
 BLOCK = 96 * 1024  # payload()'s size
@@ -106,7 +106,7 @@ WORKER = """
 import asyncio, sys
 from shared import hashing
 from shared.bus import Bus
-from shared.kvclient import open_client
+from shared.worker.kvclient import open_client
 from tests.integration.test_kv_faults import payload
 from tests.integration.test_kv_arena_faults import BLOCK, _exporter
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from shared import hashing
 from shared.bus import Bus, BusTimeout
-from shared.kvclient import KvClient
-from shared.process import die_with_parent
+from shared.worker.kvclient import KvClient
+from shared.launch.process import die_with_parent
 from shared.schemas.workers import HealthReply, HealthRequest
 from shared.service import health_subject
 

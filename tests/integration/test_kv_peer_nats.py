@@ -7,7 +7,7 @@ import os
 
 from shared import subjects
 from shared.bus import Bus
-from shared.kv_peer import Handovers, PeerPuller
+from shared.worker.kv_peer import Handovers, PeerPuller
 from shared.schemas.kv import KvPeerDone, KvPeerPull, KvPeerReply
 from tests.integration.buses import connect, until
 

@@ -15,7 +15,7 @@ from services.kvcache.config import KvCacheConfig
 from services.kvcache.service import KvCacheService
 from shared import hashing, subjects
 from shared.bus import Bus
-from shared.kvclient import KvClient, open_client
+from shared.worker.kvclient import KvClient, open_client
 from shared.schemas.kv import (
     KvDelete,
     KvDeleteReply,

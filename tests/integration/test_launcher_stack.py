@@ -84,7 +84,7 @@ def test_a_second_launcher_on_the_live_state_dir_or_port_fails_at_once(mesh: Mes
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
 
     def up(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "shared.cli", "up", *args], cwd=ROOT, env=clean,
+        return subprocess.run([sys.executable, "-m", "shared.launch.cli", "up", *args], cwd=ROOT, env=clean,
                               capture_output=True, text=True, timeout=60)
 
     same_dir = up("--port", "0", "--state-dir", str(mesh.state_dir))

@@ -1,6 +1,6 @@
 """Faults under load, through the whole mesh: the kvcache service SIGKILLed while requests stream; the last
 decode worker SIGKILLed (readiness says so until the launcher has it back); the prefill worker SIGKILLed in the
-middle of its hand-over to decode (shared/kv_peer.py), and hang-ups during hand-overs.
+middle of its hand-over to decode (shared/worker/kv_peer.py), and hang-ups during hand-overs.
 
 The store is an optimisation, never a dependency: prefill and decode read a dead store as misses and recompute,
 so no request fails; the launcher restarts the service (as compose's `restart: unless-stopped` would), and its
@@ -23,7 +23,7 @@ import pytest
 
 from shared.bus import Bus
 from shared.kv_arena import PREFIX, SHM_DIR
-from shared.kvclient import KvClient
+from shared.worker.kvclient import KvClient
 from shared.schemas.workers import HealthReply, HealthRequest
 from shared.service import health_subject
 from tests.integration.mesh import Mesh, pids_mentioning, start_mesh

@@ -1,4 +1,4 @@
-"""Short-term snapshots through the real kvcache service (shared/short_term.py, shared/kvclient.py).
+"""Short-term snapshots through the real kvcache service (shared/worker/short_term.py, shared/worker/kvclient.py).
 
 A V4-Flash-sized state (12.6 MiB in bfloat16) is larger than one NATS message, so it travels in parts; snapshots
 are content-addressed, so a follow-up turn finds the longest one its own tokens lead to."""
@@ -12,10 +12,11 @@ from services.kvcache.config import KvCacheConfig
 from services.kvcache.service import KvCacheService
 from shared import subjects
 from shared.bus import Bus
-from shared import hashing, short_term
-from shared.kvclient import KvClient, get_parts, part_key, put_parts, split_parts
+from shared import hashing
+from shared.worker import short_term
+from shared.worker.kvclient import KvClient, get_parts, part_key, put_parts, split_parts
 from shared.schemas.kv import KvDelete, KvDeleteReply
-from shared.worker import STATE_PART_OVERHEAD
+from shared.worker.kv_transfer import STATE_PART_OVERHEAD
 
 MiB = 1 << 20
 

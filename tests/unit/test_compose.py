@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.launcher import build_plan, parse_args
+from shared.launch.launcher import build_plan, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,7 +132,7 @@ def test_a_dead_service_is_restarted_until_it_keeps_dying(tmp_path: Path) -> Non
 
     import pytest
 
-    from shared.launcher import MAX_RESTARTS, Child, spawn, supervise
+    from shared.launch.launcher import MAX_RESTARTS, Child, spawn, supervise
 
     child = Child("kvcache", "kvcache-0", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "k.log")
     spawn(child)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shared.cli_generate import main
+from shared.worker.generate import main
 
 
 def test_generate_json_greedy(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from services.recipe.model import ServedModel
-from shared.cli_generate import main, model_tokenizer
+from shared.worker.generate import main, model_tokenizer
 from shared.deepseek_tokenizer import deepseek_tokenizer_dir, load_deepseek_tokenizer
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.models import resolve

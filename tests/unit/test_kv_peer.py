@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from shared.kv_peer import CHECKSUMS, PREFERRED, Handovers, PeerPuller, checksum, pick
+from shared.worker.kv_peer import CHECKSUMS, PREFERRED, Handovers, PeerPuller, checksum, pick
 from shared.schemas.kv import KvPeerPull, KvPeerReply
 
 BLOCK = 64

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from shared import cli_up, natsserver
+from shared.launch import cli_up, natsserver
 from shared.config import add_common_args
-from shared.launcher import build_plan, how_to_call, last_error
+from shared.launch.launcher import build_plan, how_to_call, last_error
 from shared.logs import JsonFormatter
-from shared.preflight import lock_state_dir
+from shared.launch.preflight import lock_state_dir
 from shared.version import VERSION
-from shared.worker import add_worker_args
+from shared.worker.config import add_worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTES = ROOT / "README.md"  # every DEEPINFER_* default is documented there
@@ -32,7 +32,7 @@ NOTES = ROOT / "README.md"  # every DEEPINFER_* default is documented there
 def up(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "shared.launch.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
         env={**clean, **(env or {})},
     )
 
@@ -130,7 +130,7 @@ def test_serve_takes_the_model_as_its_argument() -> None:
 @pytest.mark.parametrize("command", ["up", "serve", "generate"])
 def test_help_shows_defaults_without_importing_torch(command: str) -> None:
     code = (
-        "import sys\nfrom shared.cli import main\ntry:\n    main([sys.argv[1], '--help'])\n"
+        "import sys\nfrom shared.launch.cli import main\ntry:\n    main([sys.argv[1], '--help'])\n"
         "except SystemExit:\n    pass\nprint('torch loaded' if 'torch' in sys.modules else 'no torch')"
     )
     result = subprocess.run([sys.executable, "-c", code, command], cwd=ROOT, capture_output=True, text=True,

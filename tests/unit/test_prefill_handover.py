@@ -21,7 +21,7 @@ from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel
 from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
 from shared.schemas.kv import KvLookupReply, KvPeerPull
-from shared.worker import WorkerConfig
+from shared.worker.config import WorkerConfig
 from tests.unit.test_engine_tiny import checkpoint, loaded  # noqa: F401  (fixtures)
 from tests.unit.test_worker_cancel import ENV
 
@@ -82,7 +82,8 @@ def prefill(checkpoint: Path, loaded: LoadedModel, handover: str) -> PrefillServ
     svc = PrefillService(config, WorkerConfig("cpu", 256, 512, 32, kv_handover=handover))
     svc.bus = FakeBus()  # type: ignore[assignment]
     svc.kv = FakeKv(svc.bus)  # type: ignore[arg-type, assignment]
-    svc.engine = AsyncEngine(Engine(loaded, device="cpu", dtype=torch.float32, kv_blocks=256, max_running=32))
+    svc.use_engine(AsyncEngine(Engine(loaded, device="cpu", dtype=torch.float32, kv_blocks=256, max_running=32)))
+    assert svc.engine is not None
     svc.engine.start()
     return svc
 
@@ -126,7 +127,7 @@ async def test_the_peer_path_hands_the_job_on_first_and_holds_bytes_not_blocks(c
     assert len(svc.handovers) == 1
     reply = await svc.handovers.serve(KvPeerPull("r1", 0, handoff.block_hashes, 1 << 30))
     assert svc.engine is not None
-    block_bytes = svc.engine.engine.block_bytes
+    block_bytes = svc.engine.layout.block_bytes
     assert reply.found and (reply.blocks, reply.tail) == (2, True)
     assert [len(i) for i in reply.items[:3]] == [block_bytes] * 3
     svc.handovers.end("r1", "done")

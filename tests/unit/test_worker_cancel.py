@@ -24,7 +24,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel
 from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, SamplingParams, TokenEvent
-from shared.worker import WorkerConfig
+from shared.worker.config import WorkerConfig
 from tests.unit.test_engine_tiny import checkpoint, loaded  # noqa: F401  (fixtures)
 
 ENV = Envelope("x", None)  # type: ignore[arg-type]
@@ -75,7 +75,8 @@ def worker(checkpoint: Path, loaded: LoadedModel) -> DecodeService:  # noqa: F81
     svc = DecodeService(config, WorkerConfig("cpu", 256, 512, 32))
     svc.bus = FakeBus()  # type: ignore[assignment]
     svc.kv = FakeKv()  # type: ignore[assignment]
-    svc.engine = AsyncEngine(Engine(loaded, device="cpu", dtype=torch.float32, kv_blocks=256, max_running=32))
+    svc.use_engine(AsyncEngine(Engine(loaded, device="cpu", dtype=torch.float32, kv_blocks=256, max_running=32)))
+    assert svc.engine is not None
     svc.engine.start()
     return svc
 

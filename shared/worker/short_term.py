@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import msgpack
 
 from shared import hashing
-from shared.kvclient import SHORT_TERM_TTL_S, KvClient, get_parts, put_parts
+from shared.worker.kvclient import SHORT_TERM_TTL_S, KvClient, get_parts, put_parts
 
 MAX_LENGTHS_PER_ANCHOR = 16  # an anchor shared by many conversations keeps its newest snapshots' lengths
 

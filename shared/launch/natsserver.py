@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from shared import pidlock
-from shared.process import die_with_parent
+from shared.launch import pidlock
+from shared.launch.process import die_with_parent
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # KV blocks travel one per message; 8 MiB leaves room for big layouts
 

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from shared import pidlock
+from shared.launch import pidlock
 from shared.models import ModelFiles, ModelNotFound, resolve
 
 LOCK_FILE = "up.lock"

@@ -418,7 +418,7 @@ def _settle(arena: Arena, offset: int, deadline: float, done: asyncio.Future[KvS
 
 
 # --- big short-term blobs, in parts ---------------------------------------------------------------------------
-# A snapshot (shared/short_term.py) holds DeepSeek-V4's rings: megabytes (V4-Flash in bfloat16: 12.6 MiB, over
+# A snapshot (shared/worker/short_term.py) holds DeepSeek-V4's rings: megabytes (V4-Flash in bfloat16: 12.6 MiB, over
 # NATS's payload limit), so it travels in parts that each fit one message.
 
 

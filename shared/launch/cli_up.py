@@ -1,8 +1,8 @@
 """The flags of `deepinfer up` and `deepinfer serve MODEL` (vLLM's spelling of the same thing).
 
 Every flag has an environment default, DEEPINFER_<FLAG> (`--max-model-len` <- DEEPINFER_MAX_MODEL_LEN); a flag
-on the command line wins. `python -m shared.cli_up` prints the table of them (the README's). Torch-free, so
-`--help` answers at once.
+on the command line wins. `python -m shared.launch.cli_up` prints the table of them (the README's).
+Torch-free, so `--help` answers at once.
 """
 
 from __future__ import annotations

@@ -26,14 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in ("up", "serve"):
-        from shared.cli_up import parse
+        from shared.launch.cli_up import parse
 
         args = parse(rest, f"deepinfer {command}", positional_model=command == "serve")  # --help: no bus import
-        from shared.launcher import run
+        from shared.launch.launcher import run
 
         return run(args)
     if command == "generate":
-        from shared.cli_generate import main as generate
+        from shared.worker.generate import main as generate
 
         return generate(rest)
     print(f"deepinfer: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

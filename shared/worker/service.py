@@ -12,7 +12,6 @@ waits a step each; a cancel that lands while the KV is being exported ends that 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -20,20 +19,20 @@ import signal
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from shared import short_term, subjects
+from shared import subjects
 from shared.bus import Bus, Envelope, WorkQueue
-from shared.config import DEFAULT_MAX_RUNNING, ServiceConfig, default_batch_tokens
+from shared.config import ServiceConfig, default_batch_tokens
 from shared.engine.api import EngineFailure, RequestError
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.device import default_device
 from shared.engine.engine import Engine
 from shared.kv_events import EventPublisher
-from shared.kvclient import TRANSPORTS, KvClient, open_client
+from shared.worker.config import WorkerConfig
+from shared.worker.kv_transfer import KvTransfer
+from shared.worker.kvclient import KvClient, open_client
 from shared.models import resolve
 from shared.schemas.events import TIER_LOCAL
 from shared.schemas.generate import Cancel, TokenEvent
@@ -43,73 +42,6 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 ENDED_MEMORY_S = 300.0  # a cancel may overtake its job, a redelivery may follow its end: remember them this long
-HANDOVERS = ("peer", "store")  # --kv-handover
-STATE_PART_OVERHEAD = 64 * 1024  # room for the key, msgpack framing and trace headers around one state part
-
-
-@dataclass(frozen=True)
-class ExportedKv:
-    """A request's KV as bytes: full blocks from block `start` on, the partial last block, the model's state."""
-
-    start: int
-    blocks: list[bytes]
-    tail: bytes  # b"": the tokens end on a block boundary
-    state: bytes  # b"": a model without per-request state
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    device: str
-    kv_blocks: int | None
-    max_batch_tokens: int | None  # None: by role and device (shared/config.py default_batch_tokens)
-    max_running: int
-    speculative_tokens: int = 0
-    gpu_memory_utilization: float | None = None  # share of the GPU this worker may fill; None = the engine's rule
-    kv_transport: str = "nats"  # how KV bytes reach the kvcache service: shared/kvclient.py TRANSPORTS
-    kv_handover: str = "peer"  # prefill -> decode: "peer" (decode pulls from prefill, shared/kv_peer.py) | "store"
-
-    def __post_init__(self) -> None:
-        if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_running < 1:
-            raise ValueError("--max-batch-tokens and --max-running must be positive")
-        if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise ValueError("--kv-blocks must be positive")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
-        if self.kv_transport not in TRANSPORTS:
-            raise ValueError(f"--kv-transport must be one of {sorted(TRANSPORTS)}")
-        if self.kv_handover not in HANDOVERS:
-            raise ValueError(f"--kv-handover must be one of {list(HANDOVERS)}")
-        if self.speculative_tokens < 0:
-            raise ValueError("--speculative-tokens must be >= 0")
-
-
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=default_device(), help="engine device (default: cuda if available)")
-    parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
-    # the second spellings are vLLM's
-    parser.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per engine step (chunked prefill); default: 512 on a CPU, on a GPU 16384 for "
-                             "a prefill worker and 2048 for a decode worker")
-    parser.add_argument("--max-running", "--max-num-seqs", type=int, default=DEFAULT_MAX_RUNNING,
-                        help="requests held at once")
-    parser.add_argument("--speculative-tokens", type=int, default=0,
-                        help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="share of the GPU's total memory this worker may fill: weights, activations "
-                             "(measured) and KV pool (as vLLM's; `deepinfer up` splits one GPU between its "
-                             "workers); default: the KV pool takes 80%% of what is free after loading the weights")
-    parser.add_argument("--kv-transport", default=os.environ.get("DEEPINFER_KV_TRANSPORT", "nats"),
-                        help=f"how KV bytes reach the kvcache service: {' | '.join(TRANSPORTS)} (shm: shared "
-                             "memory, worker and kvcache on one host; falls back to nats when the store cannot map it)")
-    parser.add_argument("--kv-handover", default=os.environ.get("DEEPINFER_KV_HANDOVER", "peer"),
-                        help="how a prompt's KV reaches decode: peer (decode pulls it from the prefill worker, the "
-                             "store still gets it for later turns; the store when the peer cannot give it) | store "
-                             "(through the kvcache service only)")
-
-
-def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
-                        args.speculative_tokens, args.gpu_memory_utilization, args.kv_transport, args.kv_handover)
 
 
 class EngineWorker(ABC):
@@ -125,6 +57,7 @@ class EngineWorker(ABC):
         self.kv: KvClient | None = None
         self._kv_bus: Bus | None = None  # the KV store's own connection (see start)
         self.engine: AsyncEngine | None = None
+        self.transfer: KvTransfer | None = None  # the engine's KV to and from the store, once it is loaded
         self.active: set[str] = set()
         self._ended: dict[str, float] = {}  # request id -> when it was cancelled or finished here (see _forget)
         self._cancelled: set[str] = set()  # of those, the ones a Cancel ended (their work stops where it is)
@@ -205,7 +138,8 @@ class EngineWorker(ABC):
             self._status = f"failed to load model: {exc}"
             os.kill(os.getpid(), signal.SIGTERM)  # a worker without a model has nothing to offer: exit
             return
-        self.engine = AsyncEngine(engine)
+        self.use_engine(AsyncEngine(engine))
+        assert self.engine is not None
         await self._publish_kv_events(engine, self.engine)
         self.engine.start()
         log.info("loaded %s in %.1fs on %s (%s)", self.model_name, time.monotonic() - started, engine.device,
@@ -222,6 +156,12 @@ class EngineWorker(ABC):
             ack_wait=30.0,
         )
         self._status = "ready"
+
+    def use_engine(self, engine: AsyncEngine) -> None:
+        """The loaded engine, and the KV transfer over it and the KV client (`start` opened that)."""
+        assert self.bus is not None and self.kv is not None
+        self.engine = engine
+        self.transfer = KvTransfer(engine, self.kv, self.bus.max_payload, self.cancelled)
 
     async def _publish_kv_events(self, engine: Engine, runner: AsyncEngine) -> None:
         """Tell the balancers what the local prefix cache holds: its changes as they happen (the listener runs on
@@ -280,7 +220,7 @@ class EngineWorker(ABC):
     @abstractmethod
     async def handle(self, job: Any, env: Envelope) -> None: ...
 
-    # --- the hand-over between prefill and decode (shared/kv_peer.py): each role fills in its side -------------
+    # --- the hand-over between prefill and decode (shared/worker/kv_peer.py): each role fills in its side -------------
 
     async def serve_handover(self) -> None:
         """Once the engine is loaded, before the first job: subscribe to what the role's hand-over needs."""
@@ -333,67 +273,6 @@ class EngineWorker(ABC):
             except Exception:  # the request may be gone already; never let one failure strand the rest
                 log.exception("aborting %d cancelled requests failed", len(batch))
 
-    def state_part_bytes(self) -> int:
-        """The largest part of a snapshot one message carries."""
-        assert self.bus is not None
-        return self.bus.max_payload - STATE_PART_OVERHEAD
-
-    async def fetch_blocks(self, hashes: list[bytes]) -> list[bytes]:
-        """The blobs of the leading run of `hashes` this worker can have: b"" for the blocks its engine's own
-        prefix cache holds (no transfer; the engine checks again at admission), then the kvcache service's,
-        up to the first one missing."""
-        assert self.engine is not None and self.kv is not None
-        local = await self.engine.call(self.engine.engine.cached_blocks, hashes)
-        return [b""] * local + await self.kv.get_run(hashes[local:])
-
-    async def export_kv(self, request_id: str, tokens: int, start: int) -> ExportedKv:
-        """A held request's KV of its first `tokens` (all computed) as bytes, full blocks from block `start` on."""
-        assert self.engine is not None
-        engine = self.engine.engine
-        block = engine.block_tokens
-        full = tokens // block
-        blocks = await self.engine.call(engine.export_blocks, request_id, start, full) if full > start else []
-        tail = b""
-        if tokens % block:
-            (tail,) = await self.engine.call(engine.export_blocks, request_id, full, full + 1)
-        state = await self.engine.call(engine.export_state, request_id) if engine.has_request_state else b""
-        return ExportedKv(start, blocks, tail, state)
-
-    async def store_kv(self, request_id: str, tokens: list[int], ns: bytes, hashes: list[bytes], stored: int,
-                       exported: ExportedKv | None = None) -> bytes:
-        """Put a held request's KV of `tokens` (all computed) in the kvcache service: its full blocks from block
-        `stored` on (long-term, under `hashes`), and a snapshot at the end (short-term: the partial block and
-        the model's state). `exported`: those bytes, exported already (from block `stored` or before; the
-        request need not be held then). Returns the snapshot's key, b"" when there was nothing beyond full
-        blocks, or when a cancel ended the request on the way (what was stored stays: it is valid KV for the
-        next request)."""
-        assert self.engine is not None and self.kv is not None
-        engine = self.engine.engine
-        block = engine.block_tokens
-        full = len(tokens) // block
-        if full > stored and not self.cancelled(request_id):
-            if exported is not None:  # the bytes a peer hand-over exported already: no second export
-                assert exported.start <= stored
-                await self.kv.put_many(list(zip(hashes[stored:full], exported.blocks[stored - exported.start :])))
-            else:
-                async def export(parts: list[tuple[int, int, memoryview]]) -> None:  # straight into the arena
-                    await self.engine.call(_export_parts, engine, request_id, stored, parts)
-
-                await self.kv.put_run(hashes[stored:full], export, engine.block_bytes)
-        if self.cancelled(request_id):
-            return b""
-        if exported is not None:
-            tail, state = exported.tail, exported.state
-        else:
-            tail = b""
-            if len(tokens) % block:
-                (tail,) = await self.engine.call(engine.export_blocks, request_id, full, full + 1)
-            state = await self.engine.call(engine.export_state, request_id) if engine.has_request_state else b""
-        if (not tail and not state) or self.cancelled(request_id):
-            return b""
-        snap = short_term.Snapshot(len(tokens), tail, state)
-        return await short_term.save(self.kv, tokens, ns, hashes, block, snap, self.state_part_bytes())
-
     async def publish_tokens(self, event: TokenEvent, env: Envelope) -> None:
         assert self.bus is not None
         await self.bus.publish(subjects.tokens(event.request_id), event, trace=env.trace)
@@ -429,16 +308,3 @@ class EngineWorker(ABC):
         except Exception as exc:  # reconnecting: the balancer will notice the gap
             log.debug("heartbeat not sent: %s", exc)
 
-
-def _export_parts(engine: Engine, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:
-    """On the engine thread: blocks base + [lo, hi) of a request into each part's buffer, in one engine call."""
-    for lo, hi, out in parts:
-        engine.export_into(request_id, base + lo, base + hi, out)
-
-
-# --- short-term state through the kvcache service ----------------------------------------------------------------
-#
-#     key        ->  u32 n | blob[0 : P]          part 0, under the key the DecodeJob carries
-#     key#1      ->  blob[P : 2P]
-#     ...
-#     key#(n-1)  ->  blob[(n-1)P :]               P = the bus's max payload - STATE_PART_OVERHEAD

@@ -7,7 +7,7 @@ SIGTERM. Then it stops the services front to back (gateway first, so no new work
 Children die with the launcher even if it is killed outright (PR_SET_PDEATHSIG).
 
 Before it starts anything it locks the state dir, checks the gateway's port and reads the model's metadata
-(shared/preflight.py); a child that dies is reported with its own last error line, from its log.
+(shared/launch/preflight.py); a child that dies is reported with its own last error line, from its log.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared import cli_up, natsserver
+from shared.launch import cli_up, natsserver
 from shared.bus import Bus, BusTimeout
-from shared.preflight import PreflightError, check_model, check_port, lock_state_dir
-from shared.process import die_with_parent
+from shared.launch.preflight import PreflightError, check_model, check_port, lock_state_dir
+from shared.launch.process import die_with_parent
 from shared.schemas.workers import HealthReply, HealthRequest
 from shared.service import health_subject
 
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`deepinfer up` with parsed flags (shared/cli_up.py): check, start, wait, serve until signalled, stop."""
+    """`deepinfer up` with parsed flags (shared/launch/cli_up.py): check, start, wait, serve until signalled, stop."""
     state_dir = Path(args.state_dir).resolve()
     try:
         lock = lock_state_dir(state_dir, args.state_dir)  # first: a running `up` holds the port as well

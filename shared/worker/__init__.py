@@ -1,0 +1,12 @@
+"""The engine worker that prefill and decode build on; the only package that imports the engine.
+
+    service.py      EngineWorker: load the engine, take jobs from the work queue, heartbeat, cancels, health
+    config.py       WorkerConfig and its command-line options
+    kv_transfer.py  a held request's KV as bytes to and from the kvcache service (long-term blocks, snapshots)
+    kvclient.py     the kvcache service's client: batched gets and puts, one-copy arena runs on one host
+    short_term.py   content-addressed snapshots of a sequence's end (partial block, model state)
+    kv_peer.py      prefill -> decode hand-over: decode pulls a prompt's KV straight from the prefill worker
+    generate.py     `deepinfer generate`: the engine in one process, no mesh
+
+The role handlers live in services/prefill and services/decode.
+"""
