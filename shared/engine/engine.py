@@ -38,7 +38,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.processors import LogitsProcessors
-from shared.engine.protocols import Cache, HasOwnCache, drafter
+from shared.engine.protocols import Cache, GraphsDecode, HasOwnCache, drafter
 from shared.engine.sampler import sample, sample_on_device
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
@@ -130,10 +130,11 @@ class Engine:
                                    self.max_running,
                                    resume=lambda seq, restored: self.kv.begin(seq.request_id, restored))
         self.max_tokens = min(self.context_cap, num_blocks * self.block_tokens)
-        # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4's torch path
-        # reads its per-sequence state instead
+        # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4 packs its own
+        # decode batch (its per-request state) and captures its own graphs (GraphsDecode), not while it drafts
         batched = self.ops.name == "triton" and not isinstance(self.model, HasOwnCache)
-        on_gpu = batched and self.cuda_graphs and self.device.type == "cuda"
+        own = isinstance(self.model, GraphsDecode) and self.ops.name == "triton" and not self.speculative
+        on_gpu = (batched or own) and self.cuda_graphs and self.device.type == "cuda"
         graphs = graph_buckets(self.max_running) if on_gpu else ()
         self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
                                   max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=self.max_running)

@@ -23,6 +23,7 @@ from shared.engine.attention import AttentionMetadata, BatchTensors, SeqSpan
 from shared.engine.cuda_graphs import DecodeGraphs, PinnedStaging
 from shared.engine.kv_cache import KVCache
 from shared.engine.models import CausalLM
+from shared.engine.protocols import DecodeGraphRunner, GraphsDecode
 from shared.engine.scheduler import StepPlan
 
 
@@ -42,8 +43,11 @@ class ModelRunner:
         self.fed = torch.zeros(max_rows, dtype=torch.long, device=device)  # the last step's sampled tokens
         self.hidden: torch.Tensor | None = None  # the last step's hidden rows (non-batched path)
         self.staging = PinnedStaging(device) if batched else None
-        self.graphs = (DecodeGraphs(model, kv, device, block_tokens, max_tokens, graph_sizes, self.fed)
-                       if graph_sizes else None)
+        self.graphs: DecodeGraphRunner | None = None
+        if graph_sizes and isinstance(model, GraphsDecode):  # the model's own (V4: per-request state inside)
+            self.graphs = model.decode_graphs(kv, device, max_tokens, graph_sizes, self.fed)
+        elif graph_sizes and batched:
+            self.graphs = DecodeGraphs(model, kv, device, block_tokens, max_tokens, graph_sizes, self.fed)
 
     def feed(self, tokens: torch.Tensor) -> None:
         """tokens (N,) int64 sampled by the step just launched: the next step's placeholders read them."""
@@ -57,6 +61,8 @@ class ModelRunner:
             self.kv.write_blocks(list(blocks), list(blobs))
         if self.batched:
             return self._run_batched(plan)
+        if self.graphs is not None and self.graphs.fits(plan.chunks):
+            return self.graphs.run(plan.chunks)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

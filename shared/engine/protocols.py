@@ -4,6 +4,7 @@ Protocol, checked once with isinstance where the engine is built, never probed a
     Cache        every KV cache (KVCache: Llama's pages; V4Cache: compressed entries + per-request rings)
     HasOwnCache  a model with its own long-term layout makes its cache (DeepSeek-V4); others get KVCache pages
     Drafts       a model with an MTP layer drafts speculative tokens (speculative.py runs them)
+    GraphsDecode a model with its own decode graphs (DeepSeek-V4: its cache's per-request state in the graph)
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ class Drafts(Protocol):
                     ) -> torch.Tensor | None: ...
 
     def mtp_draft(self, kv: Any, request_id: str, out: torch.Tensor, position: int, k: int) -> list[int]: ...
+
+
+class DecodeGraphRunner(Protocol):
+    """Replays decode steps (one sampled token per sequence) from captured CUDA graphs."""
+
+    def fits(self, chunks: list) -> bool: ...
+
+    def run(self, chunks: list) -> torch.Tensor: ...  # (S, V) float32 logits
+
+
+@runtime_checkable
+class GraphsDecode(Protocol):
+    def decode_graphs(self, kv: Any, device: torch.device, max_tokens: int, sizes: tuple[int, ...],
+                      fed: torch.Tensor) -> DecodeGraphRunner | None: ...  # None: this configuration cannot
 
 
 def drafter(model: object) -> Drafts | None:

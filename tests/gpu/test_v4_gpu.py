@@ -32,6 +32,17 @@ def test_cuda_fp32_equals_cpu(hub: Path) -> None:
     assert cuda == cpu
 
 
+def test_cuda_graphs_change_nothing(hub: Path) -> None:
+    """Decode steps replayed from CUDA graphs (graphs.py) give the eager steps' tokens in fp32, and were used."""
+    eager = run_to_completion(Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, cuda_graphs=False),
+                              _requests())
+    engine = Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64)
+    assert run_to_completion(engine, _requests()) == eager
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # captured: (batch, context) buckets
+    bf16 = run_to_completion(Engine(str(hub), device="cuda", kv_blocks=64), _requests())
+    assert all(len(t) == 16 for t in bf16.values())
+
+
 def test_cuda_drafts_change_nothing(hub: Path) -> None:
     """fp32: exact. (In bf16 a k + 1-row verify runs other GEMM shapes than a 1-row decode step, so near-ties
     may round apart: bf16 is only checked to run.)"""

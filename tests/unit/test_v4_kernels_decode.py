@@ -126,7 +126,7 @@ def test_batched_decode_matches_the_loop(step, kind: str) -> None:
         att.batched, att.triton = path != "loop", path == "triton"
         states = [kv.state(rid, p) for rid, p in rows]
         try:
-            out = att(i, layer, x, positions, angles, meta, states, kv)
+            out = att(i, layer, x, positions, angles, meta, states, kv, att.decode_batch(meta, states, positions, kv))
         finally:
             att.batched = att.triton = False
         results[path] = (out, [t.clone() for t in _tensors(kv)])
@@ -191,6 +191,51 @@ def test_model_decodes_with_the_kernels_forced_on(tmp_path: Path) -> None:
     torch.testing.assert_close(got["triton"], got["torch"], atol=1e-4, rtol=0)
 
 
+def _without_scratch(kv: V4Cache) -> list[torch.Tensor]:
+    """Every pool and paged tensor less its scratch row (padding rows write there)."""
+    pools = [t for t in _tensors(kv) if t.shape[0] == kv.slots + 1]
+    paged = [t for t in kv._paged]
+    return [t[: kv.slots].clone() for t in pools] + [t[: kv.scratch_block].clone() for t in paged]
+
+
+def test_decode_graph_inputs_and_padding_give_the_forwards_step(tmp_path: Path) -> None:
+    """The graph runner's body, run eagerly (no CUDA here): five rows packed into a batch bucket of 8 with
+    padding rows and a context bucket past the longest row give the same logits as the model's forward on the
+    same rows, leave every real ring and entry as the forward does, and move each state's length on."""
+    from types import SimpleNamespace
+
+    from shared.engine.models.deepseek_v4.graphs import V4DecodeGraphs
+
+    v4_checkpoints.build(tmp_path, "mixed")
+    st = Step(Engine(str(tmp_path), kv_blocks=64))
+    st.model.attention.batched = True  # the batched torch path (the kernel is checked against it above)
+    rows = st.setup()
+    kv = st.kv
+    ids = _ids(len(rows), seed=20)
+    snapshot = [t.clone() for t in _tensors(kv)]
+    meta, positions = st.meta(rows)
+    want = st.model.logits(st.model.forward(ids, positions, meta, kv))
+    want_cache = _without_scratch(kv)
+    _restore(kv, snapshot)
+    for rid, p in rows:
+        kv.states[rid].length = p  # as before the forward
+    fed = torch.zeros(8, dtype=torch.long)
+    graphs = V4DecodeGraphs(st.model, kv, torch.device("cpu"), 4 * st.bt, (1, 2, 4, 8), fed)
+    chunks = []
+    for j, (rid, p) in enumerate(rows):
+        tokens = [0] * p + [int(ids[j])]
+        chunks.append(SimpleNamespace(seq=SimpleNamespace(request_id=rid, token_ids=tokens,
+                                                          block_table=st.tables[rid]),
+                                      start=p, num_tokens=1, sample=True, drafts=[]))
+    assert graphs.fits(chunks)
+    got = graphs.run(chunks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(_without_scratch(kv), want_cache):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert [kv.states[rid].length for rid, _ in rows] == [p + 1 for _, p in rows]
+    assert not graphs.fits([SimpleNamespace(**{**vars(chunks[0]), "num_tokens": 2})])  # a prefill chunk
+
+
 def test_engine_with_triton_ops_takes_the_batched_path(checkpoint: Path) -> None:
     assert Engine(str(checkpoint), kv_blocks=8, kernels="triton").model.attention.batched
     assert not Engine(str(checkpoint), kv_blocks=8).model.attention.batched
@@ -198,7 +243,7 @@ def test_engine_with_triton_ops_takes_the_batched_path(checkpoint: Path) -> None
 
 def test_slots_run_out_clearly(checkpoint: Path) -> None:
     kv = Engine(str(checkpoint), kv_blocks=8, max_running=1).kv
-    assert kv.slots == 2  # max_running and as many held
+    assert kv.slots == 2  # max_running and as many held (and one scratch row, never lent)
     kv.begin("x", 0)
     kv.begin("y", 0)
     kv.begin("x", 0)  # a resumed request keeps to one slot

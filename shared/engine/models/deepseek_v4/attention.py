@@ -40,7 +40,6 @@ class Attention:
         self.spec = spec
         self.batched = triton  # decode steps through decode.py (its torch attention when not self.triton)
         self.triton = triton
-        self._decode: tuple[AttentionMetadata, decode.DecodeBatch] | None = None  # this forward's, for every layer
         rd = spec.rope_head_dim
         self.rope_main = Rotary(rd, spec.rope_theta, None, device)
         self.rope_compress = Rotary(rd, spec.compress_rope_theta, spec.compress_rope_scaling, device)
@@ -50,8 +49,17 @@ class Attention:
     def angles(self, positions: torch.Tensor) -> Angles:
         return {"main": self.rope_main.angles(positions), "compress": self.rope_compress.angles(positions)}
 
+    def decode_batch(self, meta: AttentionMetadata, states: list[RequestState], positions: torch.Tensor,
+                     kv: V4Cache) -> decode.DecodeBatch | None:
+        """The step as one batched decode (every layer's attention takes decode.py's path), or None: per sequence."""
+        if self.batched and kv.cap_swa >= self.spec.window and decode.is_decode(meta, positions.shape[0]):
+            return decode.batch_of(meta, states, positions)
+        return None
+
     def __call__(self, i: int, layer: Layer, x: torch.Tensor, positions: torch.Tensor, angles: Angles,
-                 meta: AttentionMetadata, states: list[RequestState], kv: V4Cache) -> torch.Tensor:
+                 meta: AttentionMetadata | None, states: list[RequestState], kv: V4Cache,
+                 batch: decode.DecodeBatch | None) -> torch.Tensor:
+        """batch: the step's decode batch (decode_batch); None: meta's spans one by one."""
         s = self.spec
         T = x.shape[0]
         H, d = s.num_heads, s.head_dim
@@ -69,11 +77,10 @@ class Attention:
             cq, sq = angles["compress"]
             iq = rotate(F.linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
             idx = (F.linear(x, ic.wkv), F.linear(x, ic.wgate), iq, F.linear(x, ix.weights_proj))
-        if self.batched and kv.cap_swa >= s.window and decode.is_decode(meta, T):
-            if self._decode is None or self._decode[0] is not meta:
-                self._decode = (meta, decode.batch_of(meta, states, positions))
-            out = decode.attend(self, i, layer, self._decode[1], kv, q, k, comp, idx, self.triton)
+        if batch is not None:
+            out = decode.attend(self, i, layer, batch, kv, q, k, comp, idx, self.triton)
             return self.output(layer, rotate(out, cos, -sin))
+        assert meta is not None
         out = torch.empty_like(q)
         for span, state in zip(meta.spans, states):
             rows = slice(span.q_start, span.q_start + span.q_len)

@@ -23,7 +23,8 @@ Pooled. Every ring is one row of a per-layer pool, (slots, cap, width), and a Re
 of that row: the per-sequence path reads and writes the views, a batched decode step indexes the pools with the
 batch's slot ids (decode.py). There are `slots` rows, sized by the engine to max_running plus as many again for
 requests held after they finish (their state waits for export until release); a request that finds none free
-fails with a clear error rather than overwriting another's.
+fails with a clear error rather than overwriting another's. One more row, and one more paged block, are scratch:
+the padding rows of a CUDA-graph decode step (graphs.py) write there and nobody reads them.
 
 Bounded replay. A request that finds its prefix's blocks but not its short-term state recomputes only the last
 `replay_tokens` tokens before the restored prefix end C, with the entries of [0, C) frozen (never rewritten).
@@ -83,13 +84,16 @@ class V4Cache:
         self.backtrack = backtrack
         self.cap_swa = spec.window - 1 + backtrack
         # per compressed layer: entries (num_blocks, BT / m, head_dim); CSA: indexer keys too
+        # one row past the pool's: the scratch block, where the padding rows of a captured decode step write
+        self.scratch_block = num_blocks
         self.entries: list[torch.Tensor | None] = []
         self.index_keys: list[torch.Tensor | None] = []
+        rows = num_blocks + 1
         for kind, m in zip(spec.kinds, spec.ratios):
             per = self.block_tokens // m if m else 0
-            self.entries.append(torch.zeros(num_blocks, per, spec.head_dim, dtype=dtype, device=device) if m else None)
+            self.entries.append(torch.zeros(rows, per, spec.head_dim, dtype=dtype, device=device) if m else None)
             self.index_keys.append(
-                torch.zeros(num_blocks, per, spec.index_head_dim, dtype=dtype, device=device) if kind == CSA else None)
+                torch.zeros(rows, per, spec.index_head_dim, dtype=dtype, device=device) if kind == CSA else None)
         self._paged = [t for pair in zip(self.entries, self.index_keys) for t in pair if t is not None]
         self.states: dict[str, RequestState] = {}
         self._pending: dict[str, bytes] = {}  # imported short-term state, installed at admission
@@ -99,6 +103,8 @@ class V4Cache:
         s, dev, dt = self.spec, self.device, self.dtype
         self.slots = slots
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.scratch_slot = slots  # a row past the lent ones: padding rows of a captured decode step use it
+        slots += 1
 
         def pair(layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
             cap = self.comp_capacity(layer)
@@ -133,7 +139,7 @@ class V4Cache:
     @property
     def pool_bytes(self) -> int:
         """Device memory of the per-request pools (allocated up front: count it with the KV pool)."""
-        return self.slots * (self.state_bytes - HEADER)
+        return (self.slots + 1) * (self.state_bytes - HEADER)
 
     @property
     def replay_tokens(self) -> int:

@@ -21,7 +21,9 @@ from shared.engine.config import ModelConfig
 from shared.engine.kv_cache import CacheSpec
 from shared.engine.models.deepseek_v4 import mtp
 from shared.engine.models.deepseek_v4.attention import Attention
-from shared.engine.models.deepseek_v4.cache import V4Cache
+from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
+from shared.engine.models.deepseek_v4.decode import DecodeBatch
+from shared.engine.models.deepseek_v4.graphs import V4DecodeGraphs
 from shared.engine.models.deepseek_v4.mhc import hc_head, hc_post, hc_pre, rms
 from shared.engine.models.deepseek_v4.moe import moe
 from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
@@ -66,23 +68,34 @@ class DeepseekV4:
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> residual streams (T, hc, D) before the head's collapse. An id -(r + 1) is
         a placeholder for fed[r], a token sampled by the step still in flight."""
-        s = self.spec
-        if fed is not None and bool((input_ids < 0).any()):
-            input_ids = torch.where(input_ids < 0, fed[(-input_ids - 1).clamp(min=0)], input_ids)
-        x = self.weights.embed[input_ids]
-        streams = x.unsqueeze(1).expand(-1, s.hc_mult, -1).contiguous()  # (T, hc, D)
         # a span's first position is its context less its query rows (no read-back from the device)
         states = [kv.state(span.request_id, span.context_len - span.q_len) for span in meta.spans]
+        batch = self.attention.decode_batch(meta, states, positions, kv)
+        streams = self.layers_forward(input_ids, positions, meta, states, kv, batch, fed)
+        for span, state in zip(meta.spans, states):
+            state.length = span.context_len
+        return streams
+
+    def layers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
+                       states: list[RequestState], kv: V4Cache, batch: DecodeBatch | None,
+                       fed: torch.Tensor | None) -> torch.Tensor:
+        """The layers over the step's rows: per sequence (meta, states), or as one decode batch. Reads nothing
+        back to the host on the batched path (a CUDA graph captures it: graphs.py)."""
+        s = self.spec
+        if fed is not None:  # always the select, never a test of the ids: that would wait for the device
+            input_ids = torch.where(input_ids < 0, fed[(-input_ids - 1).clamp(min=0, max=fed.shape[0] - 1)],
+                                    input_ids)
+        x = self.weights.embed[input_ids]
+        streams = x.unsqueeze(1).expand(-1, s.hc_mult, -1).contiguous()  # (T, hc, D)
         angles = self.attention.angles(positions)
         for i, layer in enumerate(self.layers):
             post, comb, h = hc_pre(s, streams, layer.hc_attn, self.triton)
-            out = self.attention(i, layer, rms(h, layer.attn_norm, s.rms_eps), positions, angles, meta, states, kv)
+            out = self.attention(i, layer, rms(h, layer.attn_norm, s.rms_eps), positions, angles, meta, states, kv,
+                                 batch)
             streams = hc_post(out, post, comb, streams)
             post, comb, h = hc_pre(s, streams, layer.hc_ffn, self.triton)
             out = moe(s, layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids, self.triton)
             streams = hc_post(out, post, comb, streams)
-        for span, state in zip(meta.spans, states):
-            state.length = span.context_len
         return streams
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
@@ -92,6 +105,15 @@ class DeepseekV4:
     def head_logits(self, streams: torch.Tensor, hc: HcParams, norm: torch.Tensor) -> torch.Tensor:
         x = hc_head(self.spec, streams, hc)
         return F.linear(rms(x, norm, self.spec.rms_eps), self.weights.head).float()
+
+    # --- CUDA graphs (graphs.py) ------------------------------------------------------------------------------
+
+    def decode_graphs(self, kv: V4Cache, device: torch.device, max_tokens: int, sizes: tuple[int, ...],
+                      fed: torch.Tensor) -> V4DecodeGraphs | None:
+        """Decode steps replayed from graphs: only on the batched path, whose kernels read nothing back."""
+        if not self.attention.batched or kv.cap_swa < self.spec.window:
+            return None
+        return V4DecodeGraphs(self, kv, device, max_tokens, sizes, fed)
 
     # --- multi-token prediction (mtp.py) ------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ def block(model: DeepseekV4, kv: V4Cache, request_id: str, h: torch.Tensor, toke
     meta = AttentionMetadata(positions, [span])
     i, layer = s.num_layers, m.layer  # its ring sits after the main layers'
     post, comb, x = hc_pre(s, streams, layer.hc_attn, model.triton)
-    out = model.attention(i, layer, rms(x, layer.attn_norm, s.rms_eps), positions, angles, meta, [state], kv)
+    out = model.attention(i, layer, rms(x, layer.attn_norm, s.rms_eps), positions, angles, meta, [state], kv, None)
     streams = hc_post(out, post, comb, streams)
     post, comb, x = hc_pre(s, streams, layer.hc_ffn, model.triton)
     return hc_post(moe(s, layer, rms(x, layer.ffn_norm, s.rms_eps), tokens, model.triton), post, comb, streams)
