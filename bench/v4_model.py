@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import ceilings  # noqa: E402
 from bench.v4_layer import Costs  # noqa: E402
+from shared.engine.api import RequestError  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.engine import Engine, EngineRequest, run_to_completion  # noqa: E402
 from shared.engine.loader import LoadedModel  # noqa: E402
@@ -261,6 +262,49 @@ def ours_decode(engine: Engine, batch: int, ctx: int, steps: int) -> float:
             engine.step()
 
 
+def kernel_breakdown(engine: Engine, batch: int, ctx: int, top: int = 25) -> tuple[list[tuple[str, float, int]], float]:
+    """Per-kernel GPU time of one decode step at `batch` x `ctx` (eager: every launch its own row), top kernels
+    as (name, us per step, launches per step), and the sum over every kernel (us per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 3
+    rids = [f"k{batch}-{ctx}-{i}" for i in range(batch)]
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        place_running(engine, rids, ctx, steps + 4)
+        for _ in range(2):
+            engine.step()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+    finally:
+        engine.runner.graphs = graphs
+        for rid in rids:
+            engine.abort(rid)
+        while engine.has_work():
+            engine.step()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0 and e.count:
+            rows.append((e.key[:70], t / steps, e.count // steps))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top], sum(r[1] for r in rows)
+
+
+def kernel_table(name: str, batch: int, ctx: int, rows: list[tuple[str, float, int]], total: float,
+                 step_s: float | str) -> str:
+    step = f"{step_s * 1e6:,.0f} us" if isinstance(step_s, float) else str(step_s)
+    lines = ["", f"## Where a decode step's GPU time goes: {name}, batch {batch}, context {ctx:,}", "",
+             f"Kernel time summed over every launch: {total:,.0f} us per step; the step with CUDA graphs: {step}.", "",
+             "| kernel | us per step | launches per step | share |", "|---|---|---|---|"]
+    for k, us, n in rows:
+        lines.append(f"| `{k.replace('|', '/')}` | {us:,.0f} | {n} | {100 * us / total:.1f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def ours_prefill(engine: Engine, n: int, tag: str) -> float:
     """Seconds from adding a fresh n-token prompt to its first token."""
     offset = zlib.crc32(tag.encode())  # no prefix shared between prompts (the prefix cache would skip it)
@@ -330,6 +374,8 @@ def guarded(fn: Any, *args: Any) -> float | str:
         why = "out of memory"
     except MemoryError as exc:
         why = f"does not fit ({exc})"
+    except RequestError as exc:  # the pool left too few blocks for the case
+        why = f"does not fit ({exc})"
     gc.collect()  # after the except block: the traceback no longer holds the failed call's tensors
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -375,6 +421,11 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
                 rows.append(dict(shape=name, phase="decode", batch=b, ctx=ctx, tokens=b, ours=t, eager=eager,
                                  bytes_s=nbytes / bw, flops_s=nflops / flops))
                 log(f"{name} decode b{b} ctx {ctx}: {_fmt_ms(t)} (without graphs: {_fmt_ms(eager) if eager else '-'})")
+        if args.kernels and device.type == "cuda":
+            b = args.kernels
+            step = next((r["ours"] for r in rows if r["batch"] == b and r["ctx"] == args.ctx[0]), "")
+            top, total = kernel_breakdown(engine, b, args.ctx[0])
+            args.kernel_tables.append(kernel_table(name, b, args.ctx[0], top, total, step))
         guarded(ours_prefill, engine, chunk, "warm-up")  # first use of the chunk's shapes (GEMM heuristics)
         for n in args.prefill:
             t = guarded(ours_prefill, engine, n, f"p{n}")
@@ -446,8 +497,8 @@ def table(rows: list[dict], memory: list[str], bw: float, flops: float, device: 
         pct = f"{100 * floor / ours:.1f} %" if ok else ""
         eager = r.get("eager", "")
         lines.append(f"| {r['shape']} | {r['phase']} | {r['batch']} | {r['ctx']:,} | {_fmt_ms(ours)} | {tok_s} | "
-                     f"{_fmt_ms(eager) if eager != '' else ''} | {_fmt_ms(hf) if hf != '' else ''} | {speed} | {r['bytes_s'] * 1e3:.2f} | "
-                     f"{r['flops_s'] * 1e3:.2f} | {pct} |")
+                     f"{_fmt_ms(eager) if eager != '' else ''} | {_fmt_ms(hf) if hf != '' else ''} | {speed} | "
+                     f"{r['bytes_s'] * 1e3:.2f} | {r['flops_s'] * 1e3:.2f} | {pct} |")
     return "\n".join(lines) + "\n"
 
 
@@ -468,8 +519,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-max-ctx", type=int, default=8192, help="longest context / prompt run through transformers")
     ap.add_argument("--reserve-gib", type=float, default=24.0,
                     help="GPU memory left outside the KV pool for activations (the 8K chunk's scores)")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="profile a decode step of this batch size at the first context (GPU): a per-kernel table")
     ap.add_argument("--tiny", action="store_true", help="toy widths on the CPU in seconds (checks the script)")
     args = ap.parse_args(argv)
+    args.kernel_tables = []
     if args.tiny:
         args.shape = args.shape or ",".join(TINY_SHAPES)
         args.batches = args.batches or [1, 3]
@@ -505,6 +559,7 @@ def main(argv: list[str] | None = None) -> str:
     if device.type == "cuda":
         gpu += f", {torch.cuda.mem_get_info()[1] / GiB:.0f} GiB"
     out = table(rows, memory, bw, flops, gpu + (" (tiny widths)" if args.tiny else ""), args)
+    out += "".join(args.kernel_tables)
     print(out)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
