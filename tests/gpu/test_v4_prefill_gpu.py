@@ -47,7 +47,7 @@ def _attend(model: DeepseekV4, kernels: bool, rid: str, start: int, x: torch.Ten
     att.prefill_kernels = kernels
     try:
         return att(0, model.layers[0], x, positions, att.angles(positions), AttentionMetadata(positions, [span]),
-                   [state], kv)
+                   [state], kv, None)
     finally:
         att.prefill_kernels = saved
         state.length = start + n

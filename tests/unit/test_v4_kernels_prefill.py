@@ -56,7 +56,7 @@ def _attend(model: DeepseekV4, kernels: bool, rid: str, table: list[int], start:
     state = kv.state(rid, start)
     try:
         return att(0, model.layers[0], x, positions, att.angles(positions), AttentionMetadata(positions, [span]),
-                   [state], kv)
+                   [state], kv, None)
     finally:
         att.prefill_kernels = False
         state.length = start + n  # as DeepseekV4.forward does after the last layer

@@ -136,11 +136,8 @@ class Attention:
                span: SeqSpan, kv: V4Cache, visible: torch.Tensor) -> torch.Tensor:
         """CSA's lightning indexer: which visible entries each query attends to (its top index_topk)."""
         s = self.spec
-        ix = layer.indexer
-        assert ix is not None
-        kv_i, gate_i, iq, weights = idx
-        keys = self.compress(ix.compressor, state.index[i], (kv_i, gate_i), start, state, kv.index_keys[i], span,
-                             kv, s.index_head_dim)  # (E, index_head_dim)
+        iq, weights = idx[2], idx[3]
+        keys = self.index_keys(layer, i, state, idx, start, span, kv)
         E = keys.shape[0]
         scores = torch.relu(torch.einsum("nhc,ec->nhe", iq.float(), keys.float())) * s.index_head_dim**-0.5
         scores = (scores * (weights.float() * s.index_heads**-0.5).unsqueeze(-1)).sum(1)  # (n, E)
@@ -149,6 +146,15 @@ class Attention:
         top = scores.topk(min(s.index_topk, E), dim=-1).indices if E else scores.new_zeros(len(visible), 0).long()
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
         return chosen & (entry < visible[:, None])
+
+    def index_keys(self, layer: Layer, i: int, state: RequestState, idx: tuple[torch.Tensor, ...], start: int,
+                   span: SeqSpan, kv: V4Cache) -> torch.Tensor:
+        """The chunk's indexer projections through the indexer's compressor: every index key the chunk's last
+        query may see, (E, index_head_dim)."""
+        ix = layer.indexer
+        assert ix is not None
+        return self.compress(ix.compressor, state.index[i], (idx[0], idx[1]), start, state, kv.index_keys[i], span,
+                             kv, self.spec.index_head_dim)
 
     def compress(self, c: Compressor, ring: tuple[torch.Tensor, torch.Tensor] | None,
                  new: tuple[torch.Tensor, torch.Tensor], start: int, state: RequestState,

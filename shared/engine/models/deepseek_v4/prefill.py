@@ -66,10 +66,8 @@ def select(att: Attention, layer: Layer, i: int, state: RequestState, idx: tuple
     s = att.spec
     ix = layer.indexer
     assert ix is not None
-    kv_i, gate_i, iq, weights = idx
-    keys = att.compress(ix.compressor, state.index[i], (kv_i, gate_i), start, state, kv.index_keys[i], span,
-                        kv, s.index_head_dim)  # (E, index_head_dim)
-    return top_entries(iq, weights, keys, start, ix.compressor.ratio, s.index_topk, s.index_head_dim**-0.5
+    keys = att.index_keys(layer, i, state, idx, start, span, kv)  # (E, index_head_dim)
+    return top_entries(idx[2], idx[3], keys, start, ix.compressor.ratio, s.index_topk, s.index_head_dim**-0.5
                        * s.index_heads**-0.5)
 
 
