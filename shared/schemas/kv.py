@@ -13,13 +13,14 @@ class KvLookup:
 
 @dataclass(frozen=True)
 class KvLookupReply:
-    """The run and where it lies: hits = ram_hits + lmdb_hits + ssd_hits (each block counted in its fastest tier),
-    so a router can price a RAM hit as nearly free and a disk hit as cheaper than compute but not free."""
+    """The run and where it lies: `tiers` maps each of the store's tiers to the run's blocks there, each block
+    counted in its fastest tier (so they add up to `hits`): a router can price a RAM hit as nearly free and a disk
+    hit as cheaper than compute but not free."""
 
     hits: int  # length of the longest stored prefix run of `hashes`
-    ram_hits: int = 0  # blocks of the run in the kvcache's RAM tier
-    lmdb_hits: int = 0  # blocks of the run only in LMDB (on disk): short-term entries, warm blocks
-    ssd_hits: int = 0  # blocks of the run only on the SSD tier
+    # tier -> blocks of the run: "ram" (hot copies), "lmdb" (only in LMDB, on disk: short-term entries, warm
+    # blocks), "ssd" (only on the SSD tier); every tier the store has, 0 included
+    tiers: dict[str, int] = field(default_factory=dict)
     lease_s: float = 0.0  # the lease granted on the run (0 = none)
 
 
@@ -126,7 +127,6 @@ class KvStats:
 
 @dataclass(frozen=True)
 class KvTierStats:
-    tier: str  # "ram" | "lmdb" | "ssd"
     entries: int
     bytes: int  # live records
     capacity_bytes: int
@@ -142,7 +142,7 @@ class KvTierStats:
 @dataclass(frozen=True)
 class KvStatsReply:
     instance: str
-    tiers: list[KvTierStats]
+    tiers: dict[str, KvTierStats]  # tier ("ram" | "lmdb" | "ssd") -> its stats, fastest first
     counters: dict[str, int] = field(default_factory=dict)  # store-wide: lookups, puts, bytes read/written...
     leases: int = 0  # leases held now
 
