@@ -17,7 +17,7 @@ from shared import hashing
 from shared.bus import Bus, BusTimeout
 from shared.worker.kvclient import KvClient
 from shared.launch.process import die_with_parent
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 from shared.service import health_subject
 
 MiB = 1 << 20

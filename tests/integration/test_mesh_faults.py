@@ -24,7 +24,7 @@ import pytest
 from shared.bus import Bus
 from shared.kv_arena import PREFIX, SHM_DIR
 from shared.worker.kvclient import KvClient
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 from shared.service import health_subject
 from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
 

@@ -22,7 +22,8 @@ from shared.bus import BusTimeout
 from shared.schemas.balancer import BalancerStatsReply
 from shared.schemas.gateway import ApiEvent, PrepareReply
 from shared.schemas.kv import KvStatsReply, KvTierStats
-from shared.schemas.workers import Heartbeat, Presence
+from shared.schemas.health import Presence
+from shared.schemas.workers import Heartbeat
 
 MODEL = "m"
 
