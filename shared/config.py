@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from shared.logs import LOG_FORMATS
 
@@ -40,6 +40,7 @@ ENV_PREFIX = "DEEPINFER_"
 TRUE = ("1", "true", "yes", "on")  # what turns a switch on from the environment
 _FLAG = "deepinfer.flag"  # the field metadata keys
 _NESTED = "deepinfer.nested"
+T = TypeVar("T")
 
 
 def default_batch_tokens(role: str, device: str) -> int:
@@ -64,7 +65,6 @@ class Flag:
     convert: Callable[[Any], Any] | None = None  # the parsed value -> the field's (e.g. Path)
     choices: Sequence[str] | None = None
     nargs: str | None = None
-    metavar: str | None = None
     group: str | None = None  # the --help section; None: the parser's own
 
 
@@ -104,9 +104,8 @@ def default_of(cls: type, name: str) -> Any:
     return _record_default(f)
 
 
-def _kind(cls: type, f: Field[Any]) -> Any:
-    """The field's type without `| None`: int, float, str, bool..."""
-    hint = typing.get_type_hints(cls)[f.name]
+def _kind(hint: Any) -> Any:
+    """A field's type without `| None`: int, float, str, bool..."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         rest = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = rest[0] if len(rest) == 1 else hint
@@ -116,6 +115,7 @@ def _kind(cls: type, f: Field[Any]) -> Any:
 def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = None, **defaults: Any) -> None:
     """One argparse option per `option` field of `cls`, in field order; `defaults` replace the record's (e.g. a
     default that depends on the service)."""
+    hints = typing.get_type_hints(cls)
     for f in fields(cls):
         if _NESTED in f.metadata:
             inner, inner_group = f.metadata[_NESTED]
@@ -125,7 +125,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = No
             continue
         flag: Flag = f.metadata[_FLAG]
         default = defaults[f.name] if f.name in defaults else _record_default(f)
-        kind = _kind(cls, f)
+        kind = _kind(hints[f.name])
         if (env := _env_name(f)) is not None and os.environ.get(env):
             default = os.environ[env].lower() in TRUE if kind is bool else os.environ[env]  # argparse parses it
         where = _group(parser, flag.group or group)
@@ -134,7 +134,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = No
             where.add_argument(*names, action="store_true", default=default, help=flag.help)
             continue
         parse = flag.parse or (kind if kind in (int, float) else None)
-        extra = {k: v for k, v in (("nargs", flag.nargs), ("metavar", flag.metavar)) if v is not None}
+        extra = {"nargs": flag.nargs} if flag.nargs is not None else {}
         where.add_argument(*names, type=parse, choices=flag.choices, default=default, help=flag.help, **extra)
 
 
@@ -147,7 +147,7 @@ def _group(parser: argparse.ArgumentParser, title: str | None) -> argparse.Argum
     return parser.add_argument_group(title)
 
 
-def from_args(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
     """The record from parsed flags (`add_flags`); `given` sets the fields that are not flags of this parser."""
     values = dict(given)
     for f in fields(cls):

@@ -16,7 +16,8 @@ class GatewayConfig:
     host: str = option("127.0.0.1")
     port: int = option(8000)  # 0 = any free port (tests); the bound one is `GatewayService.port`
     api_key: str | None = option(  # None = no authentication
-        None, env=True, help="require this key from clients (Authorization: Bearer or x-api-key); env DEEPINFER_API_KEY")
+        None, env=True,
+        help="require this key from clients (Authorization: Bearer or x-api-key); env DEEPINFER_API_KEY")
     # for the recipe's PrepareReply (tokenizing a long prompt takes a while)
     request_timeout_s: float = option(30.0, help="seconds to wait for the recipe")
     event_timeout_s: float = option(300.0, help="max seconds between events")  # longest silence within a request

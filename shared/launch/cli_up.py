@@ -14,16 +14,8 @@ import sys
 
 from services.gateway.config import GatewayConfig
 from services.recipe.config import RecipeConfig
-from shared.config import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    ENV_PREFIX,
-    GPU_BATCH_TOKENS,
-    TRUE,  # noqa: F401 - kept here for importers of cli_up.TRUE
-    HelpFormatter,
-    ServiceConfig,
-    default_of,
-    model_names,
-)
+from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS, HelpFormatter, ServiceConfig
+from shared.config import default_of, model_names
 from shared.logs import LOG_FORMATS
 from shared.worker.config import WorkerConfig
 
@@ -56,7 +48,8 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     api.add_argument("--client-body-timeout", type=float, default=default_of(GatewayConfig, "client_body_timeout_s"),
                      help="seconds to read a request's whole body; then a 408 in the API's error JSON")
     model = p.add_argument_group("model")
-    model.add_argument("--model", default=default_of(ServiceConfig, "model"), help="packaged model name, .gguf file or HF checkpoint dir")
+    model.add_argument("--model", default=default_of(ServiceConfig, "model"),
+                       help="packaged model name, .gguf file or HF checkpoint dir")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the name(s) clients use (the first in replies; env: comma-separated); default: the "
                             "model's own")
@@ -68,8 +61,8 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
     workers.add_argument("--gpu-memory-utilization", type=float, default=None,
                          help="share of the GPU's total memory each worker may fill: weights, activations and KV "
-                              f"pool (as vLLM's); default: {DEVICE_SHARE} split between the workers, which share one device "
-                              f"({DEVICE_SHARE / 2} each for one prefill and one decode worker)")
+                              f"pool (as vLLM's); default: {DEVICE_SHARE} split between the workers, which share one "
+                              f"device ({DEVICE_SHARE / 2} each for one prefill and one decode worker)")
     workers.add_argument("--kv-blocks", type=int, default=None,
                          help="KV pool size in blocks per worker (overrides --gpu-memory-utilization); "
                               "default: from memory (1 GiB on a CPU)")
@@ -77,8 +70,8 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                          default=default_of(WorkerConfig, "max_running"), help="requests a worker holds at once")
     workers.add_argument("--max-num-batched-tokens", "--max-batch-tokens", dest="max_num_batched_tokens", type=int,
                          default=None, help="tokens per engine step (chunked prefill); default: "
-                         f"{DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU {GPU_BATCH_TOKENS['prefill']} for a prefill worker and "
-                         f"{GPU_BATCH_TOKENS['decode']} for decode")
+                         f"{DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU {GPU_BATCH_TOKENS['prefill']} for a prefill worker "
+                         f"and {GPU_BATCH_TOKENS['decode']} for decode")
     workers.add_argument("--speculative-tokens", type=int, default=default_of(WorkerConfig, "speculative_tokens"),
                          help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
@@ -87,7 +80,8 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     load.add_argument("--max-queued-tokens", type=int, default=default_of(RecipeConfig, "max_queued_tokens"),
                       help="prompt tokens in flight per model before new requests get a 429; 0 = unbounded")
     run = p.add_argument_group("running")
-    run.add_argument("--state-dir", default=str(default_of(ServiceConfig, "state_dir")), help="NATS, KV store and logs live here (one `up` at a time)")
+    run.add_argument("--state-dir", default=str(default_of(ServiceConfig, "state_dir")),
+                     help="NATS, KV store and logs live here (one `up` at a time)")
     run.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     run.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every service")
     run.add_argument("--log-format", choices=LOG_FORMATS, default=default_of(ServiceConfig, "log_format"),
