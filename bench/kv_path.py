@@ -73,8 +73,8 @@ from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
 from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
 from shared.worker.kvclient import KvClient  # noqa: E402
-from shared.schemas.kv import KvPeerDone, KvPeerPull  # noqa: E402
-from shared.schemas.workers import HealthReply, HealthRequest  # noqa: E402
+from shared.schemas.health import HealthReply, HealthRequest  # noqa: E402
+from shared.schemas.kv_peer import KvPeerDone, KvPeerPull  # noqa: E402
 from shared.service import health_subject  # noqa: E402
 
 MiB = 1 << 20

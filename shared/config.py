@@ -1,12 +1,31 @@
-"""Configuration common to every service, built once at the edge from CLI flags with env defaults."""
+"""Configuration: each service's settings are a frozen dataclass, validated on creation, and its command-line
+flags are built from that dataclass (`add_flags`, `from_args`): the default, the type and the help of a flag are
+written once, on the field. ServiceConfig holds what every service takes; each service adds its own record
+(services/<name>/config.py, shared/worker/config.py). `deepinfer up` reads its defaults from the same records
+(`default_of`).
+
+A field becomes a flag through `option(...)`:
+
+    port: int = option(8000, help="...")                   # --port, an int (from the annotation)
+    request_timeout_s: float = option(30.0, help="...")     # --request-timeout: a trailing _s (seconds) is dropped
+    api_key: str | None = option(None, env=True)            # also read from DEEPINFER_API_KEY
+    max_running: int = option(64, flag="--max-running", aliases=("--max-num-seqs",))  # vLLM's second spelling
+
+An environment variable (env=True: DEEPINFER_<FLAG>, or a name) replaces the default; empty means unset; the
+command line wins. Fields without `option` are not flags (tests and callers set them).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import types
+import typing
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from shared.logs import LOG_FORMATS
 
@@ -17,6 +36,12 @@ DEFAULT_MAX_BATCH_TOKENS = 512  # on a CPU; on a GPU, by role (default_batch_tok
 GPU_BATCH_TOKENS = {"prefill": 16384, "decode": 2048}
 DEFAULT_MAX_RUNNING = 64
 
+ENV_PREFIX = "DEEPINFER_"
+TRUE = ("1", "true", "yes", "on")  # what turns a switch on from the environment
+_FLAG = "deepinfer.flag"  # the field metadata keys
+_NESTED = "deepinfer.nested"
+T = TypeVar("T")
+
 
 def default_batch_tokens(role: str, device: str) -> int:
     """Tokens per engine step when nobody says. On a GPU a prefill worker takes long chunks: every step reads
@@ -25,15 +50,147 @@ def default_batch_tokens(role: str, device: str) -> int:
     return GPU_BATCH_TOKENS.get(role, DEFAULT_MAX_BATCH_TOKENS) if device.startswith("cuda") else DEFAULT_MAX_BATCH_TOKENS
 
 
+# --- fields as flags -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one config field is set from the command line (the field's metadata)."""
+
+    flag: str = ""  # "" = from the field's name
+    aliases: tuple[str, ...] = ()  # second spellings (vLLM's)
+    help: str | None = None
+    env: bool | str = False  # True: DEEPINFER_<FLAG>; a str: that variable
+    parse: Callable[[str], Any] | None = None  # argparse's `type`; None: from the annotation (int, float)
+    convert: Callable[[Any], Any] | None = None  # the parsed value -> the field's (e.g. Path)
+    choices: Sequence[str] | None = None
+    nargs: str | None = None
+    group: str | None = None  # the --help section; None: the parser's own
+
+
+def option(default: Any = MISSING, *, default_factory: Callable[[], Any] | None = None, **flag: Any) -> Any:
+    """A dataclass field that is also a flag; `flag` takes Flag's fields (help, env, aliases...)."""
+    metadata = {_FLAG: Flag(**flag)}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def nested(cls: type, group: str | None = None) -> Any:
+    """A field holding another settings record whose fields are flags too (in `group`, unless they say)."""
+    return field(default_factory=cls, metadata={_NESTED: (cls, group)})
+
+
+def flag_name(f: Field[Any]) -> str:
+    return f.metadata[_FLAG].flag or "--" + f.name.removesuffix("_s").replace("_", "-")
+
+
+def _dest(f: Field[Any]) -> str:
+    return flag_name(f)[2:].replace("-", "_")  # argparse's own choice, from the first spelling
+
+
+def _env_name(f: Field[Any]) -> str | None:
+    env = f.metadata[_FLAG].env
+    return env if isinstance(env, str) else ENV_PREFIX + _dest(f).upper() if env else None
+
+
+def _record_default(f: Field[Any]) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A field's default (for `deepinfer up`, whose flags pass it on)."""
+    (f,) = [f for f in fields(cls) if f.name == name]
+    return _record_default(f)
+
+
+def _kind(hint: Any) -> Any:
+    """A field's type without `| None`: int, float, str, bool..."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else hint
+    return hint
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, group: str | None = None, **defaults: Any) -> None:
+    """One argparse option per `option` field of `cls`, in field order; `defaults` replace the record's (e.g. a
+    default that depends on the service)."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if _NESTED in f.metadata:
+            inner, inner_group = f.metadata[_NESTED]
+            add_flags(parser, inner, inner_group or group)
+            continue
+        if _FLAG not in f.metadata:
+            continue
+        flag: Flag = f.metadata[_FLAG]
+        default = defaults[f.name] if f.name in defaults else _record_default(f)
+        kind = _kind(hints[f.name])
+        if (env := _env_name(f)) is not None and os.environ.get(env):
+            default = os.environ[env].lower() in TRUE if kind is bool else os.environ[env]  # argparse parses it
+        where = _group(parser, flag.group or group)
+        names = (flag_name(f), *flag.aliases)
+        if kind is bool:
+            where.add_argument(*names, action="store_true", default=default, help=flag.help)
+            continue
+        parse = flag.parse or (kind if kind in (int, float) else None)
+        extra = {"nargs": flag.nargs} if flag.nargs is not None else {}
+        where.add_argument(*names, type=parse, choices=flag.choices, default=default, help=flag.help, **extra)
+
+
+def _group(parser: argparse.ArgumentParser, title: str | None) -> argparse.ArgumentParser | argparse._ArgumentGroup:
+    if title is None:
+        return parser
+    for group in parser._action_groups:  # argparse has no lookup by title
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """The record from parsed flags (`add_flags`); `given` sets the fields that are not flags of this parser."""
+    values = dict(given)
+    for f in fields(cls):
+        if f.name in values:
+            continue
+        if _NESTED in f.metadata:
+            values[f.name] = from_args(f.metadata[_NESTED][0], args)
+        elif _FLAG in f.metadata:
+            value, convert = getattr(args, _dest(f)), f.metadata[_FLAG].convert
+            values[f.name] = convert(value) if convert is not None else value
+    return cls(**values)
+
+
+# --- what every service takes --------------------------------------------------------------------------------
+
+
+def model_names(text: str | Sequence[str] | None) -> tuple[str, ...]:
+    """--served-model-name's values (several, as vLLM takes them), or its env default "a,b"."""
+    values = [text] if isinstance(text, str) else list(text or [])
+    names = tuple(n.strip() for v in values for n in v.split(",") if n.strip())
+    if len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name lists a name twice: {' '.join(names)}")
+    return names
+
+
+def _instance() -> str:
+    return f"service-{uuid.uuid4().hex[:8]}"  # add_common_args names it after the service
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    nats_url: str
-    instance: str
-    state_dir: Path
-    model: str
-    served_model_names: tuple[str, ...] = ()  # what clients call the model (the first in replies); () = its own name
-    max_model_len: int | None = None  # caps prompt + completion below the model's own context length
-    log_format: str = "text"
+    nats_url: str = option(DEFAULT_NATS_URL, env=True)
+    instance: str = option(default_factory=_instance, env=True, help="unique name of this process in the mesh")
+    state_dir: Path = option(Path(".state"), env=True, convert=Path)
+    model: str = option(DEFAULT_MODEL, env=True)
+    # what clients call the model (the first in replies); () = its own name
+    served_model_names: tuple[str, ...] = option(
+        (), flag="--served-model-name", env=True, nargs="+", convert=model_names,
+        help="the model's name(s) in the API (default: the model's own)")
+    # caps prompt + completion below the model's own context length
+    max_model_len: int | None = option(
+        None, env=True, help="prompt + completion tokens allowed (default: the model's context length)")
+    log_format: str = option("text", env=True, choices=LOG_FORMATS)
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -61,39 +218,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def model_names(text: str | list[str] | None) -> tuple[str, ...]:
-    """--served-model-name's values (several, as vLLM takes them), or its env default "a,b"."""
-    values = [text] if isinstance(text, str) else list(text or [])
-    names = tuple(n.strip() for v in values for n in v.split(",") if n.strip())
-    if len(set(names)) != len(names):
-        raise ValueError(f"--served-model-name lists a name twice: {' '.join(names)}")
-    return names
-
-
 def add_common_args(parser: argparse.ArgumentParser, service: str) -> None:
-    env = os.environ.get
-    parser.add_argument("--nats-url", default=env("DEEPINFER_NATS_URL", DEFAULT_NATS_URL))
-    parser.add_argument(
-        "--instance",
-        default=env("DEEPINFER_INSTANCE", f"{service}-{uuid.uuid4().hex[:8]}"),
-        help="unique name of this process in the mesh",
-    )
-    parser.add_argument("--state-dir", default=env("DEEPINFER_STATE_DIR", ".state"))
-    parser.add_argument("--model", default=env("DEEPINFER_MODEL", DEFAULT_MODEL))
-    parser.add_argument("--served-model-name", nargs="+", default=env("DEEPINFER_SERVED_MODEL_NAME") or None,
-                        help="the model's name(s) in the API (default: the model's own)")
-    parser.add_argument("--max-model-len", type=int, default=env("DEEPINFER_MAX_MODEL_LEN") or None,
-                        help="prompt + completion tokens allowed (default: the model's context length)")
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=env("DEEPINFER_LOG_FORMAT") or "text")
+    add_flags(parser, ServiceConfig, instance=f"{service}-{uuid.uuid4().hex[:8]}")
 
 
 def common_config(args: argparse.Namespace) -> ServiceConfig:
-    return ServiceConfig(
-        nats_url=args.nats_url,
-        instance=args.instance,
-        state_dir=Path(args.state_dir),
-        model=args.model,
-        served_model_names=model_names(args.served_model_name),
-        max_model_len=args.max_model_len,
-        log_format=args.log_format,
-    )
+    return from_args(ServiceConfig, args)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from shared import subjects
 from shared.bus import Bus
-from shared.schemas.workers import Presence
+from shared.schemas.health import Presence
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from shared import subjects, tracing
 from shared.bus import Bus
 from shared.config import ServiceConfig, add_common_args, common_config
 from shared.logs import setup_logging
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,15 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 from services.balancer.affinity import SessionAffinity
 from services.balancer.assignments import Assignment, Assignments
-from services.balancer.policies import POLICIES, Policy, PolicySettings
+from services.balancer.config import BalancerConfig
+from services.balancer.policies import POLICIES, Policy
 from services.balancer.registry import WorkerRegistry
 from services.balancer.roles import ROLES, Role, RoleContext
 from shared import subjects, tracing
@@ -51,43 +52,22 @@ LOST_MEMORY_S = 600.0  # how long what a lost worker held is kept, to tell it ag
 class BalancerService:
     name = "balancer"
 
-    def __init__(
-        self,
-        roles: Sequence[str] = ("prefill", "decode"),
-        *,
-        worker_timeout_s: float = 3.0,
-        route_wait_s: float = 30.0,
-        retry_delay_s: float = 0.5,
-        concurrency: int = 16,
-        max_reroutes: int = 2,
-        assignment_ttl_s: float | None = None,
-        policies: Mapping[str, str] | None = None,
-        policy_settings: PolicySettings = PolicySettings(),
-        affinity_ttl_s: float = 300.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        unknown = [r for r in roles if r not in ROLES]
-        if unknown or not roles:
-            raise ValueError(f"roles must be some of {sorted(ROLES)}, got {list(roles)}")
-        if worker_timeout_s <= 0 or route_wait_s < 0 or retry_delay_s <= 0 or concurrency < 1:
-            raise ValueError("timeouts, delays and concurrency must be positive")
-        chosen = dict(policies or {})
-        if any(p not in POLICIES for p in chosen.values()):
-            raise ValueError(f"policies must be some of {sorted(POLICIES)}, got {chosen}")
+    def __init__(self, config: BalancerConfig = BalancerConfig(), *, clock: Callable[[], float] = time.time) -> None:
+        chosen = config.policies()
         self.index = PrefixIndex()
-        self.affinity = SessionAffinity(affinity_ttl_s)
+        self.affinity = SessionAffinity(config.affinity_ttl_s)
         context = RoleContext(self.index, self.affinity)
-        self._roles: dict[str, Role[Any]] = {name: ROLES[name](context) for name in roles}
+        self._roles: dict[str, Role[Any]] = {name: ROLES[name](context) for name in config.roles}
         self._policies: dict[str, Policy] = {
-            n: POLICIES[chosen.get(n, r.policy)](policy_settings) for n, r in self._roles.items()
+            n: POLICIES[chosen.get(n, r.policy)](config.policy) for n, r in self._roles.items()
         }
-        self.registry = WorkerRegistry(worker_timeout_s)
+        self.registry = WorkerRegistry(config.worker_timeout_s)
         self.assignments = Assignments()
-        self._route_wait_s = route_wait_s
-        self._retry_delay_s = retry_delay_s
-        self._concurrency = concurrency
-        self._max_reroutes = max_reroutes
-        self._ttl_override = assignment_ttl_s
+        self._route_wait_s = config.route_wait_s
+        self._retry_delay_s = config.retry_delay_s
+        self._concurrency = config.concurrency
+        self._max_reroutes = config.max_reroutes
+        self._ttl_override = config.assignment_ttl_s
         self._clock = clock
         self._waiting: dict[tuple[str, str], float] = {}  # (request id, role) -> when it started waiting
         # worker -> request id -> (when, the Cancel to send it again when it returns): what it lost while gone

@@ -22,7 +22,8 @@ from services.gateway.routes.query import RecipeQueries
 from services.gateway.streaming import Pumps
 from shared import subjects
 from shared.bus import Bus, Envelope
-from shared.schemas.workers import Heartbeat, Presence
+from shared.schemas.health import Presence
+from shared.schemas.workers import Heartbeat
 
 PUMPS = web.AppKey("pumps", Pumps)
 METRICS = web.AppKey("metrics", Metrics)

@@ -11,7 +11,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from shared.presence import PRESENCE_TIMEOUT_S
-from shared.schemas.workers import Heartbeat, Presence
+from shared.schemas.health import Presence
+from shared.schemas.workers import Heartbeat
 
 ROLES = ("prefill", "decode")
 

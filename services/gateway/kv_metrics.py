@@ -61,8 +61,8 @@ def families(reply: KvStatsReply) -> Iterator[Metric]:
     instance = reply.instance
     for field, name, counter, help_text in _TIER_SERIES:
         family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, help_text, labels=["instance", "tier"])
-        for tier in reply.tiers:
-            family.add_metric([instance, tier.tier], getattr(tier, field))
+        for tier, stats in reply.tiers.items():
+            family.add_metric([instance, tier], getattr(stats, field))
         yield family
     other = CounterMetricFamily(*_OTHER_COUNTER, labels=["instance", "counter"])
     for counter, value in sorted(reply.counters.items()):

@@ -1,4 +1,4 @@
-"""kvcache settings, built once from CLI flags."""
+"""kvcache settings, built once from CLI flags (the fields are the flags: shared/config.py `option`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import ServiceConfig
+from shared.config import ServiceConfig, add_flags, option
+from shared.config import from_args as flags_record
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -16,15 +17,21 @@ DAY_S = 86400.0
 @dataclass(frozen=True)
 class KvCacheConfig:
     root: Path  # <state_dir>/kvcache: the LMDB environment, and the SSD tier's segments under ssd/
-    capacity_bytes: int = 4 * GiB  # LMDB: short-term entries (and warm blocks) beyond this evict warm blocks
-    map_size: int = 16 * GiB  # LMDB's address-space reservation: sparse on disk, must exceed the capacity
-    tail_ttl_s: float = 180.0  # longest life of a short-term entry; a put asking for more is clamped
+    # LMDB: short-term entries (and warm blocks) beyond this evict warm blocks
+    capacity_bytes: int = option(4 * GiB, help="LMDB bytes stored before eviction")
+    # LMDB's address-space reservation: sparse on disk, must exceed the capacity
+    map_size: int = option(16 * GiB, help="LMDB map size in bytes (sparse)")
+    # longest life of a short-term entry; a put asking for more is clamped
+    tail_ttl_s: float = option(180.0, help="longest TTL of a short-term entry, s")
     sweep_interval_s: float = 2.0  # expired entries go, the SSD tier syncs and access times persist this often
-    ram_bytes: int = 1 * GiB  # RAM tier (hot copies); 0 = no RAM tier
-    ssd_bytes: int = 32 * GiB  # SSD tier (long-term blocks, on disk); 0 = long-term blocks live in LMDB
-    ssd_ttl_days: float = 7.0  # a long-term block's life on the SSD tier, from when it was written
-    ssd_segment_bytes: int = 64 * MiB  # target size of one SSD segment file (the unit of eviction)
-    max_lease_s: float = 30.0  # longest lease kv.lookup grants
+    ram_bytes: int = option(1 * GiB, help="RAM tier size in bytes (0: off)")  # hot copies
+    # long-term blocks, on disk; 0 = long-term blocks live in LMDB
+    ssd_bytes: int = option(32 * GiB, help="SSD tier size in bytes (0: off)")
+    # a long-term block's life on the SSD tier, from when it was written
+    ssd_ttl_days: float = option(7.0, help="life of a long-term block on SSD, days")
+    # target size of one SSD segment file (the unit of eviction)
+    ssd_segment_bytes: int = option(64 * MiB, help="SSD segment file size")
+    max_lease_s: float = option(30.0, help="longest lease kv.lookup grants, s")
     instance: str = "kvcache"
 
     def __post_init__(self) -> None:
@@ -50,26 +57,8 @@ class KvCacheConfig:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--capacity-bytes", type=int, default=4 * GiB, help="LMDB bytes stored before eviction")
-    parser.add_argument("--map-size", type=int, default=16 * GiB, help="LMDB map size in bytes (sparse)")
-    parser.add_argument("--tail-ttl", type=float, default=180.0, help="longest TTL of a short-term entry, s")
-    parser.add_argument("--ram-bytes", type=int, default=1 * GiB, help="RAM tier size in bytes (0: off)")
-    parser.add_argument("--ssd-bytes", type=int, default=32 * GiB, help="SSD tier size in bytes (0: off)")
-    parser.add_argument("--ssd-ttl-days", type=float, default=7.0, help="life of a long-term block on SSD, days")
-    parser.add_argument("--ssd-segment-bytes", type=int, default=64 * MiB, help="SSD segment file size")
-    parser.add_argument("--max-lease", type=float, default=30.0, help="longest lease kv.lookup grants, s")
+    add_flags(parser, KvCacheConfig)
 
 
 def from_args(common: ServiceConfig, args: argparse.Namespace) -> KvCacheConfig:
-    return KvCacheConfig(
-        root=common.state_dir / "kvcache",
-        capacity_bytes=args.capacity_bytes,
-        map_size=args.map_size,
-        tail_ttl_s=args.tail_ttl,
-        ram_bytes=args.ram_bytes,
-        ssd_bytes=args.ssd_bytes,
-        ssd_ttl_days=args.ssd_ttl_days,
-        ssd_segment_bytes=args.ssd_segment_bytes,
-        max_lease_s=args.max_lease,
-        instance=common.instance,
-    )
+    return flags_record(KvCacheConfig, args, root=common.state_dir / "kvcache", instance=common.instance)

@@ -136,9 +136,7 @@ class KvCacheService:
             run = await self._run(self.store.lookup, req.hashes, req.lease_s)
         return KvLookupReply(
             hits=run.hits,
-            ram_hits=run.by_tier.get("ram", 0),
-            lmdb_hits=run.by_tier.get("lmdb", 0),
-            ssd_hits=run.by_tier.get("ssd", 0),
+            tiers=dict(run.by_tier),
             lease_s=run.lease_s,
         )
 
@@ -227,9 +225,8 @@ class KvCacheService:
         # Read on the event loop, like health(): plain counters, so /metrics never waits behind a disk read.
         store = self.store
         per_tier = store.tier_stats()
-        tiers = [
-            KvTierStats(
-                tier=name,
+        tiers = {
+            name: KvTierStats(
                 entries=s.entries,
                 bytes=s.bytes,
                 capacity_bytes=s.capacity_bytes,
@@ -242,7 +239,7 @@ class KvCacheService:
                 promotions=t.promotions,
             )
             for name, s, t in per_tier
-        ]
+        }
         return KvStatsReply(self.config.instance, tiers, asdict(store.counters), len(store.leases))
 
     def _fit(self, blobs: list[bytes | None]) -> list[bytes | None]:

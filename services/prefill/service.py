@@ -20,7 +20,7 @@ from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
 from shared.worker.kv_peer import Handovers
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent
-from shared.schemas.kv import KvPeerDone, KvPeerPull
+from shared.schemas.kv_peer import KvPeerDone, KvPeerPull
 from shared.worker import short_term
 from shared.worker.config import WorkerConfig
 from shared.worker.kv_transfer import ExportedKv

@@ -28,7 +28,6 @@ from shared.schemas.responses import StoredResponse
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL_S = 3600.0
 INTENT = "store_intent"  # PreparedRequest.extra key
 
 

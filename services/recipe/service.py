@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import orjson
 
 from services.recipe.admission import AdmissionLimits, Ledger, Refusal
+from services.recipe.config import RecipeConfig
 from services.recipe.convert import APIS, ConvertOptions, convert
 from services.recipe.convert.fields import check_min_tokens
 from services.recipe.convert.limits import check_prompt, check_token_ids, resolve_max_tokens
@@ -33,7 +34,7 @@ from services.recipe.formats import render
 from services.recipe.model import ServedModel
 from services.recipe.prepared import RESPONSE_ID_PREFIXES, InferenceSpec, PreparedRequest
 from services.recipe.queries import Queries
-from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
+from services.recipe.responses_store import ResponseStore, StoreIntent, annotate
 from shared import subjects
 from shared.bus import Bus, Envelope, Subscription
 from shared.json_depth import depth_message
@@ -64,8 +65,8 @@ class RecipeService:
     name = "recipe"
 
     def __init__(
-        self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0,
-        response_ttl_s: float = DEFAULT_TTL_S, served_names: Sequence[str] = (), max_model_len: int | None = None,
+        self, model_specs: Sequence[str], *, ttl_s: float = RecipeConfig.request_ttl_s,
+        stop_grace_s: float = RecipeConfig.stop_grace_s, response_ttl_s: float = RecipeConfig.response_ttl_s, served_names: Sequence[str] = (), max_model_len: int | None = None,
         trust_client_control_tokens: bool = False, admission: AdmissionLimits | None = None,
     ) -> None:
         """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load

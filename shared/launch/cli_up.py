@@ -2,7 +2,8 @@
 
 Every flag has an environment default, DEEPINFER_<FLAG> (`--max-model-len` <- DEEPINFER_MAX_MODEL_LEN); a flag
 on the command line wins. `python -m shared.launch.cli_up` prints the table of them (the README's).
-Torch-free, so `--help` answers at once.
+The defaults that are also a service's come from that service's settings record (`default_of`: GatewayConfig,
+RecipeConfig, WorkerConfig, ServiceConfig), so no default is written twice. Torch-free, so `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import argparse
 import os
 import sys
 
-from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, DEFAULT_MODEL, HelpFormatter, model_names
+from services.gateway.config import GatewayConfig
+from services.recipe.config import RecipeConfig
+from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS, HelpFormatter, ServiceConfig
+from shared.config import default_of, model_names
 from shared.logs import LOG_FORMATS
+from shared.worker.config import WorkerConfig
 
-ENV_PREFIX = "DEEPINFER_"
 DEVICE_SHARE = 0.9  # of one GPU, what its workers fill together by default; the rest: CUDA contexts, graphs
-TRUE = ("1", "true", "yes", "on")
 
 
 def env_name(action: argparse.Action) -> str:
@@ -34,17 +37,19 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
         p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
                        help="packaged model name, .gguf file or HF checkpoint dir (the same as --model)")
     api = p.add_argument_group("API")
-    api.add_argument("--host", default="127.0.0.1", help="the gateway's address")
-    api.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    api.add_argument("--host", default=default_of(GatewayConfig, "host"), help="the gateway's address")
+    api.add_argument("--port", type=int, default=default_of(GatewayConfig, "port"), help="the gateway's port")
     api.add_argument("--api-key", default=None, help="require this key from clients (Bearer or x-api-key)")
-    api.add_argument("--client-idle-timeout", type=float, default=75.0,
+    api.add_argument("--client-idle-timeout", type=float, default=default_of(GatewayConfig, "client_idle_timeout_s"),
                      help="seconds a client connection may stay open with no request; then it is closed")
-    api.add_argument("--client-header-timeout", type=float, default=30.0,
+    api.add_argument("--client-header-timeout", type=float,
+                     default=default_of(GatewayConfig, "client_header_timeout_s"),
                      help="seconds from a request's first byte to its last header; then the connection is closed")
-    api.add_argument("--client-body-timeout", type=float, default=120.0,
+    api.add_argument("--client-body-timeout", type=float, default=default_of(GatewayConfig, "client_body_timeout_s"),
                      help="seconds to read a request's whole body; then a 408 in the API's error JSON")
     model = p.add_argument_group("model")
-    model.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name, .gguf file or HF checkpoint dir")
+    model.add_argument("--model", default=default_of(ServiceConfig, "model"),
+                       help="packaged model name, .gguf file or HF checkpoint dir")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the name(s) clients use (the first in replies; env: comma-separated); default: the "
                             "model's own")
@@ -56,28 +61,30 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
     workers.add_argument("--gpu-memory-utilization", type=float, default=None,
                          help="share of the GPU's total memory each worker may fill: weights, activations and KV "
-                              "pool (as vLLM's); default: 0.9 split between the workers, which share one device "
-                              "(0.45 each for one prefill and one decode worker)")
+                              f"pool (as vLLM's); default: {DEVICE_SHARE} split between the workers, which share one "
+                              f"device ({DEVICE_SHARE / 2} each for one prefill and one decode worker)")
     workers.add_argument("--kv-blocks", type=int, default=None,
                          help="KV pool size in blocks per worker (overrides --gpu-memory-utilization); "
                               "default: from memory (1 GiB on a CPU)")
     workers.add_argument("--max-num-seqs", "--max-running", dest="max_num_seqs", type=int,
-                         default=DEFAULT_MAX_RUNNING, help="requests a worker holds at once")
+                         default=default_of(WorkerConfig, "max_running"), help="requests a worker holds at once")
     workers.add_argument("--max-num-batched-tokens", "--max-batch-tokens", dest="max_num_batched_tokens", type=int,
                          default=None, help="tokens per engine step (chunked prefill); default: "
-                         f"{DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU 16384 for a prefill worker and 2048 for decode")
-    workers.add_argument("--speculative-tokens", type=int, default=0,
+                         f"{DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU {GPU_BATCH_TOKENS['prefill']} for a prefill worker "
+                         f"and {GPU_BATCH_TOKENS['decode']} for decode")
+    workers.add_argument("--speculative-tokens", type=int, default=default_of(WorkerConfig, "speculative_tokens"),
                          help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
-    load.add_argument("--max-queued-requests", type=int, default=0,
+    load.add_argument("--max-queued-requests", type=int, default=default_of(RecipeConfig, "max_queued_requests"),
                       help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")
-    load.add_argument("--max-queued-tokens", type=int, default=0,
+    load.add_argument("--max-queued-tokens", type=int, default=default_of(RecipeConfig, "max_queued_tokens"),
                       help="prompt tokens in flight per model before new requests get a 429; 0 = unbounded")
     run = p.add_argument_group("running")
-    run.add_argument("--state-dir", default=".state", help="NATS, KV store and logs live here (one `up` at a time)")
+    run.add_argument("--state-dir", default=str(default_of(ServiceConfig, "state_dir")),
+                     help="NATS, KV store and logs live here (one `up` at a time)")
     run.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     run.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every service")
-    run.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+    run.add_argument("--log-format", choices=LOG_FORMATS, default=default_of(ServiceConfig, "log_format"),
                      help="the services' logs: text, or one JSON object per line")
     _env_defaults(p)
     return p

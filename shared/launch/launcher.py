@@ -27,7 +27,7 @@ from shared.launch import cli_up, natsserver
 from shared.bus import Bus, BusTimeout
 from shared.launch.preflight import PreflightError, check_model, check_port, lock_state_dir
 from shared.launch.process import die_with_parent
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 from shared.service import health_subject
 
 STOP_ORDER = ["gateway", "recipe", "balancer", "prefill", "decode", "kvcache"]

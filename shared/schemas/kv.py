@@ -1,4 +1,5 @@
-"""prefill/decode <-> kvcache: KV blocks by chained hash (long-term) and per-request tails (short-term)."""
+"""-> kvcache: KV blocks by chained hash (long-term) and per-request tails (short-term) from prefill and decode;
+the store's stats for the gateway's /metrics (`kv.stats`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ class KvLookup:
 
 @dataclass(frozen=True)
 class KvLookupReply:
-    """The run and where it lies: hits = ram_hits + lmdb_hits + ssd_hits (each block counted in its fastest tier),
-    so a router can price a RAM hit as nearly free and a disk hit as cheaper than compute but not free."""
+    """The run and where it lies: `tiers` maps each of the store's tiers to the run's blocks there, each block
+    counted in its fastest tier (so they add up to `hits`): a router can price a RAM hit as nearly free and a disk
+    hit as cheaper than compute but not free."""
 
     hits: int  # length of the longest stored prefix run of `hashes`
-    ram_hits: int = 0  # blocks of the run in the kvcache's RAM tier
-    lmdb_hits: int = 0  # blocks of the run only in LMDB (on disk): short-term entries, warm blocks
-    ssd_hits: int = 0  # blocks of the run only on the SSD tier
+    # tier -> blocks of the run: "ram" (hot copies), "lmdb" (only in LMDB, on disk: short-term entries, warm
+    # blocks), "ssd" (only on the SSD tier); every tier the store has, 0 included
+    tiers: dict[str, int] = field(default_factory=dict)
     lease_s: float = 0.0  # the lease granted on the run (0 = none)
 
 
@@ -126,7 +128,6 @@ class KvStats:
 
 @dataclass(frozen=True)
 class KvTierStats:
-    tier: str  # "ram" | "lmdb" | "ssd"
     entries: int
     bytes: int  # live records
     capacity_bytes: int
@@ -142,42 +143,6 @@ class KvTierStats:
 @dataclass(frozen=True)
 class KvStatsReply:
     instance: str
-    tiers: list[KvTierStats]
+    tiers: dict[str, KvTierStats]  # tier ("ram" | "lmdb" | "ssd") -> its stats, fastest first
     counters: dict[str, int] = field(default_factory=dict)  # store-wide: lookups, puts, bytes read/written...
     leases: int = 0  # leases held now
-
-
-# --- the hand-over: decode pulls a request's prompt KV straight from the prefill worker (shared/worker/kv_peer.py) 
-
-
-@dataclass(frozen=True)
-class KvPeerPull:
-    """decode -> prefill on `kv.peer.<prefill worker>`: items [start, ...) of a request's hand-over, as many as
-    fit `max_bytes` (the first one always). Items are the prompt's full blocks, then its partial last block (if
-    any), then its model state in parts. `keys`: the block hashes the caller expects from `start` on; a
-    hand-over under other hashes answers `found=False` (never someone else's bytes)."""
-
-    request_id: str
-    start: int
-    keys: list[bytes]
-    max_bytes: int
-    count: int = 0  # at most this many items (0: as many as fit)
-    checksum: str = "crc32"  # the checksum the caller would rather have: "xxh3" (where installed) | "crc32"
-
-
-@dataclass(frozen=True)
-class KvPeerReply:
-    found: bool  # False: no live hand-over of that request here (ended, expired, cancelled, other hashes)
-    items: list[bytes] = field(default_factory=list)  # items [start, start + len(items))
-    checksums: list[int] = field(default_factory=list)  # of each item, checked on arrival
-    blocks: int = 0  # the hand-over's full blocks
-    tail: bool = False  # an item for the partial last block follows them
-    state_parts: int = 0  # items of model state after that
-    checksum: str = "crc32"  # which: the one asked for where the peer has it, else crc32 (everyone has it)
-
-
-@dataclass(frozen=True)
-class KvPeerDone:
-    """decode -> prefill on `kv.peer.<prefill worker>.done`: the pull is over (done or given up); let go."""
-
-    request_id: str

@@ -1,8 +1,9 @@
-"""Worker registry traffic: heartbeats and health."""
+"""workers -> balancer (and the gateway's fleet view): heartbeats (who is alive, how loaded, how it names KV
+blocks) and the end of a worker's part of a request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -24,32 +25,6 @@ class Heartbeat:
     waiting: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
-
-
-@dataclass(frozen=True)
-class Presence:
-    """A service that is not a worker saying it is up, on `services.presence` every second (shared/presence.py):
-    the gateway's readiness (/health) needs a recipe for each model it serves, and a balancer."""
-
-    service: str  # "recipe" | "balancer"
-    instance: str
-    models: list[str] = field(default_factory=list)  # the models it serves ([] for the balancer: any)
-    sent_at: float = 0.0
-    # a served name that is an alias (--served-model-name) -> the name the workers serve the model under
-    aliases: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class HealthRequest:
-    pass
-
-
-@dataclass(frozen=True)
-class HealthReply:
-    service: str
-    instance: str
-    ready: bool
-    detail: str = ""
 
 
 @dataclass(frozen=True)

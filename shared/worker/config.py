@@ -1,31 +1,53 @@
 """A worker's settings beyond the service's (shared/config.py): the engine's device and sizes, and how KV bytes
-move. One definition: the frozen record validates, argparse fills it."""
+move. One definition: the frozen record validates, its fields are the flags (shared/config.py `option`), and
+`deepinfer up` takes its defaults from here. Torch-free at import, so `deepinfer up --help` answers at once."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
-from shared.config import DEFAULT_MAX_RUNNING
-from shared.engine.device import default_device
-from shared.worker.kvclient import TRANSPORTS
+from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, GPU_BATCH_TOKENS, add_flags, from_args, option
 
 HANDOVERS = ("peer", "store")  # --kv-handover
+KV_TRANSPORTS = "nats | shm"  # the names in shared/worker/kvclient.py TRANSPORTS, for --help (a test checks them)
+
+
+def _default_device() -> str:
+    from shared.engine.device import default_device  # torch: only when a worker parses its flags
+
+    return default_device()
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    device: str
-    kv_blocks: int | None
-    max_batch_tokens: int | None  # None: by role and device (shared/config.py default_batch_tokens)
-    max_running: int
-    speculative_tokens: int = 0
-    gpu_memory_utilization: float | None = None  # share of the GPU this worker may fill; None = the engine's rule
-    kv_transport: str = "nats"  # how KV bytes reach the kvcache service: shared/worker/kvclient.py TRANSPORTS
-    kv_handover: str = "peer"  # prefill -> decode: "peer" (decode pulls from prefill: kv_peer.py) | "store"
+    device: str = option(default_factory=_default_device, help="engine device (default: cuda if available)")
+    kv_blocks: int | None = option(None, help="KV cache size in blocks (default: from memory)")
+    # None: by role and device (shared/config.py default_batch_tokens)
+    max_batch_tokens: int | None = option(
+        None, aliases=("--max-num-batched-tokens",),  # the second spellings are vLLM's
+        help=f"tokens per engine step (chunked prefill); default: {DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU "
+             f"{GPU_BATCH_TOKENS['prefill']} for a prefill worker and {GPU_BATCH_TOKENS['decode']} for a decode worker")
+    max_running: int = option(DEFAULT_MAX_RUNNING, aliases=("--max-num-seqs",), help="requests held at once")
+    speculative_tokens: int = option(0, help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
+    # share of the GPU this worker may fill; None = the engine's rule
+    gpu_memory_utilization: float | None = option(
+        None, help="share of the GPU's total memory this worker may fill: weights, activations (measured) and KV "
+                   "pool (as vLLM's; `deepinfer up` splits one GPU between its workers); default: the KV pool "
+                   "takes 80%% of what is free after loading the weights")
+    # how KV bytes reach the kvcache service: shared/worker/kvclient.py TRANSPORTS
+    kv_transport: str = option(
+        "nats", env=True, help=f"how KV bytes reach the kvcache service: {KV_TRANSPORTS} (shm: shared memory, worker "
+                               "and kvcache on one host; falls back to nats when the store cannot map it)")
+    # prefill -> decode: "peer" (decode pulls from prefill: kv_peer.py) | "store"
+    kv_handover: str = option(
+        "peer", env=True, help="how a prompt's KV reaches decode: peer (decode pulls it from the prefill worker, the "
+                               "store still gets it for later turns; the store when the peer cannot give it) | store "
+                               "(through the kvcache service only)")
 
     def __post_init__(self) -> None:
+        from shared.worker.kvclient import TRANSPORTS  # the bus: not for `deepinfer up --help`
+
         if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_running < 1:
             raise ValueError("--max-batch-tokens and --max-running must be positive")
         if self.kv_blocks is not None and self.kv_blocks < 1:
@@ -41,29 +63,8 @@ class WorkerConfig:
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=default_device(), help="engine device (default: cuda if available)")
-    parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
-    # the second spellings are vLLM's
-    parser.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per engine step (chunked prefill); default: 512 on a CPU, on a GPU 16384 for "
-                             "a prefill worker and 2048 for a decode worker")
-    parser.add_argument("--max-running", "--max-num-seqs", type=int, default=DEFAULT_MAX_RUNNING,
-                        help="requests held at once")
-    parser.add_argument("--speculative-tokens", type=int, default=0,
-                        help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="share of the GPU's total memory this worker may fill: weights, activations "
-                             "(measured) and KV pool (as vLLM's; `deepinfer up` splits one GPU between its "
-                             "workers); default: the KV pool takes 80%% of what is free after loading the weights")
-    parser.add_argument("--kv-transport", default=os.environ.get("DEEPINFER_KV_TRANSPORT", "nats"),
-                        help=f"how KV bytes reach the kvcache service: {' | '.join(TRANSPORTS)} (shm: shared "
-                             "memory, worker and kvcache on one host; falls back to nats when the store cannot map it)")
-    parser.add_argument("--kv-handover", default=os.environ.get("DEEPINFER_KV_HANDOVER", "peer"),
-                        help="how a prompt's KV reaches decode: peer (decode pulls it from the prefill worker, the "
-                             "store still gets it for later turns; the store when the peer cannot give it) | store "
-                             "(through the kvcache service only)")
+    add_flags(parser, WorkerConfig)
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
-                        args.speculative_tokens, args.gpu_memory_utilization, args.kv_transport, args.kv_handover)
+    return from_args(WorkerConfig, args)

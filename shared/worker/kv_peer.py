@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
-from shared.schemas.kv import KvPeerDone, KvPeerPull, KvPeerReply
+from shared.schemas.kv_peer import KvPeerDone, KvPeerPull, KvPeerReply
 
 log = logging.getLogger(__name__)
 

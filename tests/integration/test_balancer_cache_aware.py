@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections import defaultdict
 
+from services.balancer.config import BalancerConfig
 from services.balancer.service import BalancerService
 from shared import hashing, subjects
 from shared.bus import Bus, Envelope
@@ -60,7 +61,7 @@ class FakePrefill:
 
 
 async def test_a_repeated_prompt_goes_to_the_worker_holding_its_prefix(nats_url: str) -> None:
-    balancer = BalancerService(["prefill"], worker_timeout_s=1.0, route_wait_s=2.0, retry_delay_s=0.2)
+    balancer = BalancerService(BalancerConfig(("prefill",), worker_timeout_s=1.0, route_wait_s=2.0, retry_delay_s=0.2))
     bus = await connect(nats_url, "balancer")
     side = await connect(nats_url, "fake-prefill")
     workers = {w: FakePrefill(side, w) for w in ("w1", "w2")}

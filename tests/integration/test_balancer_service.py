@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import nats
 
+from services.balancer.config import BalancerConfig
 from services.balancer.service import BalancerService
 from shared import subjects
 from shared.bus import Bus, Envelope
@@ -59,7 +60,7 @@ def request(rid: str) -> GenerateRequest:
 
 
 async def test_prefill_routing_worker_loss_and_no_worker(nats_url: str) -> None:
-    balancer = BalancerService(["prefill"], worker_timeout_s=1.0, route_wait_s=1.5, retry_delay_s=0.2)
+    balancer = BalancerService(BalancerConfig(("prefill",), worker_timeout_s=1.0, route_wait_s=1.5, retry_delay_s=0.2))
     bus = await connect(nats_url, "balancer")
     side = await connect(nats_url, "fake-workers")
     jobs: dict[str, list[PrefillJob]] = defaultdict(list)
@@ -121,7 +122,7 @@ async def test_prefill_routing_worker_loss_and_no_worker(nats_url: str) -> None:
 
 
 async def test_decode_routing_picks_the_worker_with_room(nats_url: str) -> None:
-    balancer = BalancerService(["decode"], worker_timeout_s=1.0, route_wait_s=1.0, retry_delay_s=0.2)
+    balancer = BalancerService(BalancerConfig(("decode",), worker_timeout_s=1.0, route_wait_s=1.0, retry_delay_s=0.2))
     bus = await connect(nats_url, "balancer")
     side = await connect(nats_url, "fake-decoders")
     got: list[DecodeJob] = []
@@ -153,7 +154,7 @@ async def test_decode_routing_picks_the_worker_with_room(nats_url: str) -> None:
 async def test_decode_demand_is_counted_in_the_models_own_blocks(nats_url: str) -> None:
     """A DeepSeek-V4 prompt of 300 tokens fills 2 full 128-token blocks (prefill hashed them) plus one for its tail
     and first token: 3 blocks fit a worker with 5 free (counted in 16-token blocks it would ask for 19 and wait)."""
-    balancer = BalancerService(["decode"], worker_timeout_s=1.0, route_wait_s=1.0, retry_delay_s=0.2)
+    balancer = BalancerService(BalancerConfig(("decode",), worker_timeout_s=1.0, route_wait_s=1.0, retry_delay_s=0.2))
     bus = await connect(nats_url, "balancer")
     side = await connect(nats_url, "fake-decoders")
     got: list[DecodeJob] = []

@@ -24,7 +24,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 
 MODEL = "test-model"
 CONFIG = GatewayConfig(port=0, request_timeout_s=1.0, event_timeout_s=1.0, max_body_bytes=64 * 1024)

@@ -17,7 +17,7 @@ from shared import hashing
 from shared.bus import Bus, BusTimeout
 from shared.worker.kvclient import KvClient
 from shared.launch.process import die_with_parent
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 from shared.service import health_subject
 
 MiB = 1 << 20
@@ -104,7 +104,7 @@ async def test_sigkill_mid_write_then_restart_keeps_every_stored_block(nats_url:
         assert await kv.get_many([b"tail:before"]) == [b"short-term"]  # LMDB's short-term entries survive too
         stats = await kv.stats()
         assert stats is not None
-        ssd = next(t for t in stats.tiers if t.tier == "ssd")
+        ssd = stats.tiers["ssd"]
         assert ssd.entries == found and ssd.hits == found  # RAM started empty: every hit came from the SSD tier
     finally:
         kill(process)

@@ -8,7 +8,7 @@ import os
 from shared import subjects
 from shared.bus import Bus
 from shared.worker.kv_peer import Handovers, PeerPuller
-from shared.schemas.kv import KvPeerDone, KvPeerPull, KvPeerReply
+from shared.schemas.kv_peer import KvPeerDone, KvPeerPull, KvPeerReply
 from tests.integration.buses import connect, until
 
 BLOCK = 737_280  # SmolLM2's float32 block

@@ -101,13 +101,13 @@ async def test_lookup_reports_the_tier_split_and_leases_the_run(nats_url: str, t
         blobs = [bytes([i]) * BLOCK for i in range(4)]
         assert await client.put_many(list(zip(hashes, blobs)))
         run = await client.lookup_run(hashes, lease_s=60.0)
-        assert (run.hits, run.ram_hits, run.lmdb_hits, run.ssd_hits, run.lease_s) == (4, 2, 0, 2, 10.0)
+        assert (run.hits, run.tiers, run.lease_s) == (4, {"ram": 2, "lmdb": 0, "ssd": 2}, 10.0)
         assert await client.lookup(hashes) == 4  # the old call still answers the run's length
         assert await client.get_run(hashes) == blobs
 
         stats = await client.stats()
         assert stats is not None and stats.instance == "kv-split" and stats.leases == 4
-        by_tier = {t.tier: t for t in stats.tiers}
+        by_tier = stats.tiers
         assert set(by_tier) == {"ram", "lmdb", "ssd"}
         assert by_tier["ssd"].hits == 2 and by_tier["ssd"].entries == 4
         assert by_tier["ram"].promotions == 0  # the RAM copies there are leased: the SSD hits were not promoted

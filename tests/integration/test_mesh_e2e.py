@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared import subjects
 from shared.bus import Bus, Envelope
 from shared.schemas.generate import GenerateRequest, SamplingParams, TokenEvent
-from shared.schemas.workers import HealthReply, HealthRequest, Heartbeat
+from shared.schemas.health import HealthReply, HealthRequest
+from shared.schemas.workers import Heartbeat
 from shared.service import health_subject
 from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
 from tests.integration.otlp import OtlpReceiver

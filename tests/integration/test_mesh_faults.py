@@ -24,7 +24,7 @@ import pytest
 from shared.bus import Bus
 from shared.kv_arena import PREFIX, SHM_DIR
 from shared.worker.kvclient import KvClient
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 from shared.service import health_subject
 from tests.integration.mesh import Mesh, pids_mentioning, start_mesh
 
@@ -60,7 +60,7 @@ async def _long_term_entries(nats_url: str) -> int:
     bus = await Bus.connect(nats_url, "test-stats")
     try:
         stats = await KvClient(bus, timeout=2.0).stats()
-        return -1 if stats is None else sum(t.entries for t in stats.tiers if t.tier == "ssd")
+        return -1 if stats is None else stats.tiers["ssd"].entries
     finally:
         await bus.drain()
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from services.balancer.config import BalancerConfig
 from services.balancer.service import BalancerService
 from shared import hashing, subjects
 from shared.bus import Envelope, Retry
@@ -75,7 +76,7 @@ async def heartbeat(svc: BalancerService, worker: str, clock: Clock, role: str =
 @pytest.fixture
 async def setup() -> Any:
     clock, bus = Clock(), FakeBus()
-    svc = BalancerService(worker_timeout_s=3.0, route_wait_s=10.0, retry_delay_s=0.5, clock=clock)
+    svc = BalancerService(BalancerConfig(worker_timeout_s=3.0, route_wait_s=10.0, retry_delay_s=0.5), clock=clock)
     await svc.start(bus)  # type: ignore[arg-type]
     yield svc, bus, clock
     await svc.stop()
@@ -244,7 +245,7 @@ async def test_failed_submit_leaves_no_bookkeeping(setup: Any) -> None:
 
 def test_rejects_unknown_roles() -> None:
     with pytest.raises(ValueError):
-        BalancerService(["prefill", "vision-typo"])
+        BalancerConfig(("prefill", "vision-typo"))
 
 
 # --- cache-aware prefill, decode affinity, policies by name ------------------------------------------------------
@@ -302,7 +303,7 @@ async def test_a_follow_up_turn_decodes_where_the_previous_one_did(setup: Any) -
 
 async def test_policies_are_chosen_by_name() -> None:
     clock, bus = Clock(), FakeBus()
-    svc = BalancerService(["prefill"], policies={"prefill": "round-robin"}, clock=clock)
+    svc = BalancerService(BalancerConfig(("prefill",), prefill_policy="round-robin"), clock=clock)
     await svc.start(bus)  # type: ignore[arg-type]
     for w in ("p1", "p2"):
         await cache_beat(svc, w, clock, queued=0 if w == "p2" else 10_000)
@@ -311,4 +312,4 @@ async def test_policies_are_chosen_by_name() -> None:
     assert [m.worker_id for _, m, _ in bus.submitted] == ["p1", "p2", "p1"]  # load and caches ignored
     await svc.stop()
     with pytest.raises(ValueError):
-        BalancerService(["prefill"], policies={"prefill": "psychic"})
+        BalancerConfig(("prefill",), prefill_policy="psychic")

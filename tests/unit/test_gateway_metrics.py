@@ -22,19 +22,20 @@ from shared.bus import BusTimeout
 from shared.schemas.balancer import BalancerStatsReply
 from shared.schemas.gateway import ApiEvent, PrepareReply
 from shared.schemas.kv import KvStatsReply, KvTierStats
-from shared.schemas.workers import Heartbeat, Presence
+from shared.schemas.health import Presence
+from shared.schemas.workers import Heartbeat
 
 MODEL = "m"
 
 
-def tier(name: str, **counts: int) -> KvTierStats:
+def tier(**counts: int) -> KvTierStats:
     fields = dict.fromkeys(KvTierStats.__dataclass_fields__, 0)
-    return KvTierStats(**{**fields, "tier": name, **counts})
+    return KvTierStats(**{**fields, **counts})
 
 
 KV = KvStatsReply(
     instance="kvcache-0",
-    tiers=[tier("ram", hits=7, entries=3), tier("lmdb"), tier("ssd", hits=2, corrupt=1, disk_bytes=4096)],
+    tiers={"ram": tier(hits=7, entries=3), "lmdb": tier(), "ssd": tier(hits=2, corrupt=1, disk_bytes=4096)},
     counters={"lookups": 5, "get_hits": 9, "leases": 2, "someday": 1},
     leases=4,
 )

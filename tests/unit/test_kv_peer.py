@@ -6,7 +6,7 @@ import asyncio
 import os
 
 from shared.worker.kv_peer import CHECKSUMS, PREFERRED, Handovers, PeerPuller, checksum, pick
-from shared.schemas.kv import KvPeerPull, KvPeerReply
+from shared.schemas.kv_peer import KvPeerPull, KvPeerReply
 
 BLOCK = 64
 

@@ -20,7 +20,8 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel
 from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
-from shared.schemas.kv import KvLookupReply, KvPeerPull
+from shared.schemas.kv import KvLookupReply
+from shared.schemas.kv_peer import KvPeerPull
 from shared.worker.config import WorkerConfig
 from tests.unit.test_engine_tiny import checkpoint, loaded  # noqa: F401  (fixtures)
 from tests.unit.test_worker_cancel import ENV

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.balancer.registry import WorkerLoad
+from shared.config import option
 from shared.schemas.events import TIER_LMDB, TIER_RAM, TIER_SSD
 
 
@@ -35,7 +36,8 @@ class Demand:
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """The knobs of every policy, built once from the balancer's flags; each policy reads the ones it needs.
+    """The knobs of every policy, built once from the balancer's flags (its fields are flags: shared/config.py);
+    each policy reads the ones it needs.
 
     Store weights are what loading a block from a tier costs, as a fraction of computing it. Bandwidth alone
     puts them near 0.01 for DeepSeek-V4-Flash (a 128-token block is ~450 KB against ~3 TFLOP of compute), but
@@ -46,11 +48,13 @@ class PolicySettings:
     calibrate.
     """
 
-    overlap_weight: float = 1.0  # Dynamo's: how much a cached token is worth against a queued one
-    ram_weight: float = 0.1
-    lmdb_weight: float = 0.15
-    ssd_weight: float = 0.25  # also used for any tier this balancer does not know
-    seed: int | None = None  # the random policy's generator
+    overlap_weight: float = option(  # Dynamo's: how much a cached token is worth against a queued one
+        1.0, help="worth of a cached prompt token against a queued one (0 ignores caches)")
+    ram_weight: float = option(
+        0.1, help="cost of loading a block from the store's RAM tier, as a fraction of computing it")
+    lmdb_weight: float = option(0.15, help="the same, LMDB tier")
+    ssd_weight: float = option(0.25, help="the same, SSD tier")  # also used for any tier this balancer does not know
+    seed: int | None = option(None, help="seed of the random policy")  # the random policy's generator
 
     def __post_init__(self) -> None:
         tiers = (self.ram_weight, self.lmdb_weight, self.ssd_weight)
