@@ -135,6 +135,8 @@ def test_add_rms_norm_and_silu_mul(dtype: torch.dtype) -> None:
     assert rel_err(x, x_ref) < TOL[dtype]
     assert rel_err(h, rms_norm(x_ref.float(), w.float(), 1e-5)) < TOL[dtype]
     assert rel_err(fused.add_rms_norm(x.clone(), None, w, 1e-5), rms_norm(x.float(), w.float(), 1e-5)) < TOL[dtype]
+    unweighted = rms_norm(x.float(), torch.ones(D, device=DEVICE), 1e-5)  # DeepSeek-V4's unweighted norms
+    assert rel_err(fused.add_rms_norm(x.clone(), None, None, 1e-5), unweighted) < TOL[dtype]
     gu = torch.randn(T, 2 * I, generator=gen).to(DEVICE, dtype)
     gate, up = gu.float().chunk(2, dim=-1)
     assert rel_err(fused.silu_mul(gu), torch.nn.functional.silu(gate) * up) < TOL[dtype]

@@ -93,6 +93,7 @@ def rope_write(
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, h_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+    HAS_W: tl.constexpr = True,
 ):
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
@@ -104,18 +105,23 @@ def _add_rms_norm_kernel(
         tl.store(x_ptr + t * N + c, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + t * N + c, (xf * rstd * w).to(h_ptr.dtype.element_ty), mask=mask)
+    h = xf * rstd
+    if HAS_W:
+        h = h * tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + t * N + c, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (T, D) contiguous, updated in place to x + delta when delta is given; returns RMSNorm(x) (T, D)."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float
+                 ) -> torch.Tensor:
+    """x (T, D) contiguous, updated in place to x + delta when delta is given; returns RMSNorm(x) (T, D), times
+    weight unless it is None."""
     T, D = x.shape
     h = torch.empty_like(x)
     if T:
         _add_rms_norm_kernel[(T,)](
-            x, x if delta is None else delta, weight, h, eps, N=D, BLOCK=triton.next_power_of_2(D),
-            HAS_DELTA=delta is not None, num_warps=4 if D <= 2048 else 8,
+            x, x if delta is None else delta, x if weight is None else weight, h, eps, N=D,
+            BLOCK=triton.next_power_of_2(D), HAS_DELTA=delta is not None, HAS_W=weight is not None,
+            num_warps=4 if D <= 2048 else (8 if D <= 8192 else 16),
         )
     return h
 

@@ -64,9 +64,8 @@ class Attention:
         T = x.shape[0]
         H, d = s.num_heads, s.head_dim
         cos, sin = angles["main" if layer.kind == SLIDING else "compress"]
-        q_res = rms(F.linear(x, layer.wq_a), layer.q_norm, s.rms_eps)  # (T, q_lora_rank)
-        q = rotate(rms(F.linear(q_res, layer.wq_b).view(T, H, d), None, s.rms_eps), cos, sin)
-        k = rotate(rms(F.linear(x, layer.wkv), layer.kv_norm, s.rms_eps), cos, sin)  # (T, d) = V
+        q_res, q, k = query_key(x, layer.wq_a, layer.q_norm, layer.wq_b, layer.wkv, layer.kv_norm, cos, sin, H,
+                                s.rms_eps)
         comp = idx = None
         if layer.compressor is not None:
             c = layer.compressor
@@ -79,7 +78,7 @@ class Attention:
             idx = (F.linear(x, ic.wkv), F.linear(x, ic.wgate), iq, F.linear(x, ix.weights_proj))
         if batch is not None:
             out = decode.attend(self, i, layer, batch, kv, q, k, comp, idx, self.triton)
-            return self.output(layer, rotate(out, cos, -sin))
+            return output(out, cos, sin, layer.wo_a, layer.wo_b, s.o_groups)
         assert meta is not None
         out = torch.empty_like(q)
         for span, state in zip(meta.spans, states):
@@ -89,16 +88,7 @@ class Attention:
             out[rows] = attend(self, i, layer, span, state, kv, positions[rows], q[rows], k[rows],
                                None if comp is None else (comp[0][rows], comp[1][rows]),
                                None if idx is None else tuple(t[rows] for t in idx))
-        out = rotate(out, cos, -sin)  # undo the rotation V carried, at the query's position
-        return self.output(layer, out)
-
-    def output(self, layer: Layer, out: torch.Tensor) -> torch.Tensor:
-        """(T, H, d) attention output -> (T, D): per group of heads wo_a, then wo_b over the groups."""
-        T, H, d = out.shape
-        G = self.spec.o_groups
-        grouped = torch.bmm(out.reshape(T, G, -1).transpose(0, 1), layer.wo_a.view(G, -1, d * H // G)
-                            .transpose(1, 2))  # (G, T, o_lora_rank)
-        return F.linear(grouped.transpose(0, 1).reshape(T, -1), layer.wo_b)
+        return output(out, cos, sin, layer.wo_a, layer.wo_b, s.o_groups)
 
     def attend_one(self, i: int, layer: Layer, span: SeqSpan, state: RequestState, kv: V4Cache,
                    pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -201,3 +191,26 @@ class Attention:
         E = end // m
         e = torch.arange(E, device=device) * m
         return store[span.block_table[(e // kv.block_tokens).long()], (e % kv.block_tokens) // m]
+
+
+def query_key(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor, wkv: torch.Tensor,
+              kv_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (T, D) -> the query's low-rank residual (T, q_lora_rank), the rotated queries (T, H, d) and this
+    token's rotated key = value (T, d)."""
+    T = x.shape[0]
+    q_res = rms(F.linear(x, wq_a), q_norm, eps)
+    q = rotate(rms(F.linear(q_res, wq_b).view(T, heads, -1), None, eps), cos, sin)
+    k = rotate(rms(F.linear(x, wkv), kv_norm, eps), cos, sin)
+    return q_res, q, k
+
+
+def output(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+           groups: int) -> torch.Tensor:
+    """(T, H, d) attention output, still rotated -> (T, D): undo the rotation V carried (at the query's
+    position), then per group of heads wo_a, then wo_b over the groups."""
+    out = rotate(out, cos, -sin)
+    T, H, d = out.shape
+    grouped = torch.bmm(out.reshape(T, groups, -1).transpose(0, 1), wo_a.view(groups, -1, d * H // groups)
+                        .transpose(1, 2))  # (G, T, o_lora_rank)
+    return F.linear(grouped.transpose(0, 1).reshape(T, -1), wo_b)

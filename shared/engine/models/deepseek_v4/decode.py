@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from shared.engine.attention import AttentionMetadata
+from shared.engine.fusion import fused
 from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
 from shared.engine.models.deepseek_v4.mhc import rms
 from shared.engine.models.deepseek_v4.rope import rotate
@@ -77,27 +78,40 @@ def compress(att: Attention, c: Compressor, rings: tuple[torch.Tensor, torch.Ten
     kv_ring, gate_ring = rings
     write_ring(kv_ring, b, new[0])
     write_ring(gate_ring, b, new[1])
-    back = 1 if c.overlap else 0
+    entry = window_entry(kv_ring, gate_ring, c.ape, c.norm, att.rope_compress.inv_freq, b.slots, b.positions,
+                         b.begins, m, c.overlap, d, att.spec.rms_eps)
     w = b.positions // m
     close = ((b.positions + 1) % m == 0) & (w >= b.frozen // m)
-    tok = (w - back)[:, None] * m + torch.arange((1 + back) * m, device=w.device)  # (S, L) raw tokens read
-    valid = (tok >= b.begins[:, None]) & (tok >= 0)
-    at = (b.slots[:, None], tok % kv_ring.shape[1])
-    raw_kv = kv_ring[at].to(new[0].dtype).masked_fill(~valid[..., None], 0)  # (S, L, C)
-    gate = (gate_ring[at].to(new[1].dtype).float() + c.ape.repeat(1 + back, 1)).masked_fill(~valid[..., None],
-                                                                                           float("-inf"))
-    if c.overlap:  # Ca of window w - 1 (first d channels), Cb of window w (last d)
-        raw_kv = torch.cat([raw_kv[:, :m, :d], raw_kv[:, m:, d:]], dim=1)
-        gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
-    # over the window's slots, as the last dim: a softmax over dim 1 of (S, L, C) runs CUDA's spatial kernel,
-    # ~28 us a layer at batch 1 (6 % of the step), against a few us for the copy and a row softmax
-    weights = torch.softmax(gate.transpose(1, 2), dim=-1).transpose(1, 2).to(raw_kv.dtype)
-    entry = rms((raw_kv * weights).sum(1), c.norm, att.spec.rms_eps)  # (S, d)
-    entry = rotate(entry, *att.rope_compress.angles(w * m))
     blk, j = entry_slots(b, w[:, None], m, kv.block_tokens)
     blk, j = blk[:, 0], j[:, 0]
     # a row whose window stays open writes back what its (private, current) block holds: nothing changes
     store[blk, j] = torch.where(close.view(S, 1), entry.to(store.dtype), store[blk, j])
+
+
+@fused
+def window_entry(kv_ring: torch.Tensor, gate_ring: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
+                 inv_freq: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, begins: torch.Tensor, m: int,
+                 overlap: bool, d: int, eps: float) -> torch.Tensor:
+    """Each row's current window as one entry (S, d), whether it closes now or not (the caller keeps the ones
+    that close): softmax(gate + ape) over the window's slots (CSA: 2m, the previous window's first d channels
+    and this one's last d), weighted sum of kv, RMSNorm, RoPE at the window's first position. Pure tensors:
+    one fused kernel on CUDA (fusion.py)."""
+    back = 1 if overlap else 0
+    w = positions // m
+    tok = (w - back)[:, None] * m + torch.arange((1 + back) * m, device=w.device)  # (S, L) raw tokens read
+    valid = (tok >= begins[:, None]) & (tok >= 0)
+    at = (slots[:, None], tok % kv_ring.shape[1])
+    raw_kv = kv_ring[at].masked_fill(~valid[..., None], 0)  # (S, L, C)
+    gate = (gate_ring[at].float() + ape.repeat(1 + back, 1)).masked_fill(~valid[..., None], float("-inf"))
+    if overlap:  # Ca of window w - 1 (first d channels), Cb of window w (last d)
+        raw_kv = torch.cat([raw_kv[:, :m, :d], raw_kv[:, m:, d:]], dim=1)
+        gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
+    # over the window's slots, as the last dim: a softmax over dim 1 of (S, L, C) runs CUDA's spatial kernel,
+    # ~28 us a layer at batch 1 (6 % of the step) when this runs eagerly
+    weights = torch.softmax(gate.transpose(1, 2), dim=-1).transpose(1, 2).to(raw_kv.dtype)
+    entry = rms((raw_kv * weights).sum(1), norm, eps)  # (S, d)
+    freqs = (w * m).to(torch.float32)[:, None] * inv_freq
+    return rotate(entry, freqs.cos(), freqs.sin())
 
 
 def select(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, iq: torch.Tensor,
@@ -112,13 +126,22 @@ def select(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, iq
         return torch.full((S, 0), -1, dtype=torch.long, device=iq.device)
     e = torch.arange(E, device=iq.device).expand(S, E)
     blk, j = entry_slots(b, e, m, kv.block_tokens)
-    keys = keys_store[blk, j]  # (S, E, index_head_dim)
-    scores = torch.relu(torch.einsum("shc,sec->she", iq.float(), keys.float())) * s.index_head_dim**-0.5
-    scores = (scores * (weights.float() * s.index_heads**-0.5).unsqueeze(-1)).sum(1)  # (S, E)
-    visible = (b.positions + 1) // m
-    scores = scores.masked_fill(e >= visible[:, None], float("-inf"))
+    scores = index_scores(keys_store, blk, j, iq, weights, e, b.positions, m, s.index_head_dim**-0.5,
+                          s.index_heads**-0.5)
     top = scores.topk(min(s.index_topk, E), dim=-1)
     return torch.where(top.values == float("-inf"), -1, top.indices)
+
+
+@fused
+def index_scores(keys_store: torch.Tensor, blk: torch.Tensor, j: torch.Tensor, iq: torch.Tensor,
+                 weights: torch.Tensor, e: torch.Tensor, positions: torch.Tensor, m: int, key_scale: float,
+                 head_scale: float) -> torch.Tensor:
+    """The indexer's score of every entry e (S, E) for each row: sum over heads of weight * ReLU(q . key),
+    -inf past the row's visible entries. Pure tensors: fused on CUDA (fusion.py)."""
+    keys = keys_store[blk, j]  # (S, E, index_head_dim)
+    scores = torch.relu(torch.einsum("shc,sec->she", iq.float(), keys.float())) * key_scale
+    scores = (scores * (weights.float() * head_scale).unsqueeze(-1)).sum(1)  # (S, E)
+    return scores.masked_fill(e >= ((positions + 1) // m)[:, None], float("-inf"))
 
 
 def attend_torch(att: Attention, i: int, layer: Layer, q: torch.Tensor, b: DecodeBatch, kv: V4Cache,

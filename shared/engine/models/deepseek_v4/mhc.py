@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.fusion import fused
 from shared.engine.kernels import HAVE_TRITON
 from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import HcParams
 
 if HAVE_TRITON:
+    from shared.engine.kernels.fused import add_rms_norm
     from shared.engine.kernels.mhc import hc_weights
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 over the last dim, back to x's dtype; weight None = unweighted."""
+    """RMSNorm in float32 over the last dim, back to x's dtype; weight None = unweighted. On CUDA one Triton
+    launch (a row per program: torch.compile's dynamic-shape reductions ran a single program per row and took
+    18-38 us at batch 1); inside a function being compiled (fusion.py), the torch ops, fused with the rest."""
+    if x.is_cuda and HAVE_TRITON and not torch.compiler.is_compiling():
+        D = x.shape[-1]
+        return add_rms_norm(x.reshape(-1, D).contiguous(), None, weight, eps).view(x.shape)
     h = x.float()
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
     return (h if weight is None else h * weight).to(x.dtype)
@@ -29,7 +36,7 @@ def hc_pre(s: DeepseekV4Spec, streams: torch.Tensor, hc: HcParams, triton: bool
     mix = rms(streams.flatten(1).float(), None, s.rms_eps) @ fn.T  # (T, (2 + n) n)
     if triton:  # one launch for the gates and the Sinkhorn loop below
         pre, post, comb = hc_weights(mix, base, scale, n, s.hc_iters, s.hc_eps)
-        return post, comb, (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+        return post, comb, collapse(pre, streams)
     pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + s.hc_eps
     post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb = torch.softmax(mix[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + s.hc_eps
@@ -37,10 +44,16 @@ def hc_pre(s: DeepseekV4Spec, streams: torch.Tensor, hc: HcParams, triton: bool
     for _ in range(s.hc_iters - 1):  # Sinkhorn-Knopp: rows, then columns, sum to one
         comb = comb / (comb.sum(-1, keepdim=True) + s.hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + s.hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
-    return post, comb, collapsed
+    return post, comb, collapse(pre, streams)
 
 
+@fused
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The streams (T, hc, D) weighted by pre (T, hc) and summed: the block input (T, D)."""
+    return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+
+
+@fused
 def hc_post(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """Expand the block output into the streams and mix the residual: out_k post_k + sum_j comb[j, k] s_j."""
     dt = streams.dtype

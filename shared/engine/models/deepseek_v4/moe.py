@@ -22,20 +22,28 @@ GATHER_MAX_PAIRS = 32  # (row, expert) pairs up to which the experts' weights ar
 def route(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> chosen experts (T, k) int64 and their combine weights (T, k) float32."""
-    logits = F.linear(x, layer.gate).float()  # (T, E)
-    if s.scoring == "sqrtsoftplus":
+    return route_weights(x, layer.gate, layer.gate_bias, layer.tid2eid, input_ids, s.scoring, s.experts_per_token,
+                         s.routed_scale)
+
+
+def route_weights(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                  input_ids: torch.Tensor, scoring: str, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router as pure tensors: sqrt-softplus, sigmoid or softmax scores; top-k with the selection bias, or
+    hash routing by token id (tid2eid)."""
+    logits = F.linear(x, gate).float()  # (T, E)
+    if scoring == "sqrtsoftplus":
         scores = F.softplus(logits).sqrt()
-    elif s.scoring == "sigmoid":
+    elif scoring == "sigmoid":
         scores = logits.sigmoid()
     else:
         scores = logits.softmax(dim=-1)
-    if layer.tid2eid is not None:
-        chosen = layer.tid2eid[input_ids]  # (T, k): hash routing by token id
+    if tid2eid is not None:
+        chosen = tid2eid[input_ids]  # (T, k): hash routing by token id
     else:
-        assert layer.gate_bias is not None
-        chosen = torch.topk(scores + layer.gate_bias, s.experts_per_token, dim=-1, sorted=False).indices
+        assert bias is not None
+        chosen = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
     weights = scores.gather(1, chosen)
-    return chosen, weights / (weights.sum(-1, keepdim=True) + 1e-20) * s.routed_scale
+    return chosen, weights / (weights.sum(-1, keepdim=True) + 1e-20) * scale
 
 
 def moe(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor, triton: bool = False

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from shared.engine.fusion import fused
+
 
 def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
     """(dim / 2,) float32 inverse frequencies; `scaling` holds YaRN's parameters (None = plain RoPE)."""
@@ -48,6 +50,7 @@ class Rotary:
         return freqs.cos(), freqs.sin()
 
 
+@fused
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing 2 * cos.shape[-1] channels of x (N, ..., D) in interleaved pairs; cos/sin (N, dim/2).
 
