@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from shared.config import DEFAULT_MAX_RUNNING
 from shared.engine.device import default_device
-from shared.worker.kvclient import TRANSPORTS
+from shared.worker.kv_peer_transport import PEER_TRANSPORTS, PLANNED
+from shared.worker.kvclient import ARENA_MIB, TRANSPORTS
 
 HANDOVERS = ("peer", "store")  # --kv-handover
 
@@ -24,6 +25,8 @@ class WorkerConfig:
     gpu_memory_utilization: float | None = None  # share of the GPU this worker may fill; None = the engine's rule
     kv_transport: str = "nats"  # how KV bytes reach the kvcache service: shared/worker/kvclient.py TRANSPORTS
     kv_handover: str = "peer"  # prefill -> decode: "peer" (decode pulls from prefill: kv_peer.py) | "store"
+    kv_peer_transport: str = "auto"  # how a peer hand-over's bytes go: shared/worker/kv_peer_transport.py
+    kv_arena_mib: int = ARENA_MIB  # each shared-memory arena's size (the store's, the peer hand-overs')
 
     def __post_init__(self) -> None:
         if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_running < 1:
@@ -36,6 +39,10 @@ class WorkerConfig:
             raise ValueError(f"--kv-transport must be one of {sorted(TRANSPORTS)}")
         if self.kv_handover not in HANDOVERS:
             raise ValueError(f"--kv-handover must be one of {list(HANDOVERS)}")
+        if self.kv_peer_transport not in (*PEER_TRANSPORTS, *PLANNED):
+            raise ValueError(f"--kv-peer-transport must be one of {[*PEER_TRANSPORTS, *PLANNED]}")
+        if self.kv_arena_mib < 1:
+            raise ValueError("--kv-arena-mib must be positive")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
 
@@ -62,8 +69,16 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="how a prompt's KV reaches decode: peer (decode pulls it from the prefill worker, the "
                              "store still gets it for later turns; the store when the peer cannot give it) | store "
                              "(through the kvcache service only)")
+    parser.add_argument("--kv-peer-transport", default=os.environ.get("DEEPINFER_KV_PEER_TRANSPORT", "auto"),
+                        help="how a peer hand-over's bytes reach decode: auto (shared memory when decode can map "
+                             "prefill's arena, i.e. one host; else nats) | shm | nats | cuda-ipc (not built yet: "
+                             "runs as auto)")
+    parser.add_argument("--kv-arena-mib", type=int, default=int(os.environ.get("DEEPINFER_KV_ARENA_MIB", ARENA_MIB)),
+                        help="MiB of shared memory (/dev/shm) per arena: the store's (--kv-transport shm) and a "
+                             "prefill worker's peer hand-overs' (a prompt's KV that does not fit goes over NATS)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(args.device, args.kv_blocks, args.max_batch_tokens, args.max_running,
-                        args.speculative_tokens, args.gpu_memory_utilization, args.kv_transport, args.kv_handover)
+                        args.speculative_tokens, args.gpu_memory_utilization, args.kv_transport, args.kv_handover,
+                        args.kv_peer_transport, args.kv_arena_mib)
