@@ -32,6 +32,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -114,22 +115,41 @@ class ShmExporter:
         runs = -(-tokens // layout.block_tokens)  # full blocks and the partial one, exported full-size each
         state = await engine.export_state(request_id)
         parts = [len(state[at : at + part_bytes]) for at in range(0, len(state), part_bytes)]
-        nbytes = runs * layout.block_bytes + len(state)
+        lengths = [layout.block_bytes] * runs + parts
+        taken = self.take(lengths)
+        if taken is None:
+            return None
+        offset, out = taken
+        try:
+            if runs:
+                await engine.export_into(request_id, 0, [(0, runs, out[: runs * layout.block_bytes])])
+            out[runs * layout.block_bytes :] = state
+        except BaseException:
+            self.drop(offset, len(out))  # cancelled or failed: the engine call ran to its end (one thread)
+            raise
+        return self.lend(offset, lengths)
+
+    def take(self, lengths: list[int]) -> tuple[int, memoryview] | None:
+        """A region for items of `lengths`, write-locked: (its offset, a writable view of it), or None when the
+        arena has no room. Then `lend` (filled) or `drop` (not)."""
+        nbytes = sum(lengths)
         offset = self._take(nbytes) if nbytes else None
         if offset is None:
             self.counts["no_room"] += 1
             return None
-        try:
-            if runs:
-                await engine.export_into(request_id, 0, [(0, runs, self.arena.region(offset, runs * layout.block_bytes))])
-            self.arena.region(offset + runs * layout.block_bytes, len(state))[:] = state
-        except BaseException:
-            self._settle(offset, nbytes)  # cancelled or failed: the engine call ran to its end (one thread)
-            raise
-        self.arena.unlock_range(offset, nbytes)  # readers may lock it now
+        return offset, self.arena.region(offset, nbytes)
+
+    def lend(self, offset: int, lengths: list[int]) -> Region:
+        """The filled region: unlocked for readers, its items as views (free again once they are all gone)."""
+        nbytes = sum(lengths)
+        self.arena.unlock_range(offset, nbytes)
         self.counts["regions"] += 1
-        lengths = [layout.block_bytes] * runs + parts
         return Region(offset, lengths, self._lend(offset, nbytes, lengths))
+
+    def drop(self, offset: int, nbytes: int) -> None:
+        """A region taken and not lent (its export failed)."""
+        self.arena.unlock_range(offset, nbytes)
+        self._on_gone(offset, nbytes)
 
     def describe(self, region: Region, start: int) -> KvPeerShm:
         """Items [start, ...) of `region`, for a pull's reply."""
@@ -168,11 +188,6 @@ class ShmExporter:
     def _on_gone(self, offset: int, nbytes: int) -> None:
         with self._lock:
             self._ended.append((offset, nbytes))
-
-    def _settle(self, offset: int, nbytes: int) -> None:
-        """A region this side is done with, and not locked by this side: free at the next reclaim."""
-        self.arena.unlock_range(offset, nbytes)
-        self._on_gone(offset, nbytes)
 
     def _reclaim(self) -> None:
         """Free every ended region no reader holds (a try of the write lock is the test: atomic, and the lock is
@@ -226,7 +241,9 @@ class ShmImporter:
         known = self._maps.get(path)
         if known is not None and known.current(token):
             return known
-        self._maps.pop(path, None)  # replaced or dead: its views (if any) keep it until they go
+        # a new arena (a prefill worker started or restarted): forget the maps of those gone, whose memory a
+        # map would keep (their views, if any, keep them until they go)
+        self._maps = {p: m for p, m in self._maps.items() if p != path and Path(p).exists()}
         fresh = PeerMap.open(path, token)
         if fresh is not None:
             self._maps[path] = fresh
