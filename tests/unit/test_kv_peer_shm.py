@@ -149,10 +149,30 @@ async def test_a_corrupt_or_unreadable_region_is_never_imported(exporter: ShmExp
     assert puller.counts["shm_refused"] == 1
 
 
-def test_a_dead_owners_arena_is_not_read(exporter: ShmExporter) -> None:
-    """A prefill worker gone (its arena closed, or its process dead: the owner's flock is gone either way):
-    decode does not map it, and takes the rest from the store."""
-    path, token = str(exporter.arena.path), exporter.arena.token
-    assert PeerMap.open(path, token) is not None
-    exporter.close()
-    assert PeerMap.open(path, token) is None
+OWNER = """
+import sys
+from shared.kv_arena import Arena, arena_path
+arena = Arena(arena_path(sys.argv[1]), 2, 4096)
+print(arena.path, arena.token.hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_dead_owners_arena_is_not_read() -> None:
+    """A prefill worker killed (its arena file left in /dev/shm, its owner's flock gone with it): decode does not
+    map it, and takes the rest from the store; a closed one is gone altogether."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, f"test-owner-{os.getpid()}"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert owner.stdout is not None
+    path, token = owner.stdout.readline().decode().split()
+    try:
+        assert PeerMap.open(path, bytes.fromhex(token)) is not None
+        owner.kill()
+        owner.wait()
+        assert Path(path).exists() and PeerMap.open(path, bytes.fromhex(token)) is None
+    finally:
+        owner.kill()
+        Path(path).unlink(missing_ok=True)
+    closed = Arena(arena_path(f"test-closed-{os.getpid()}"), 2, 4096)
+    closed.close()
+    assert PeerMap.open(str(closed.path), closed.token) is None
