@@ -98,7 +98,7 @@ class ShmExporter:
         self.arena = arena
         self._lock = threading.Lock()  # views die on any thread (the engine's, the loop's)
         self._ended: list[tuple[int, int]] = []  # (offset, nbytes) of regions nobody on this side uses any more
-        self.held = 0  # regions taken and not yet free again
+        self._held = 0  # regions taken and not yet free again
         self.counts: dict[str, int] = {"regions": 0, "no_room": 0, "reader_held": 0}
 
     @classmethod
@@ -161,6 +161,12 @@ class ShmExporter:
         self._reclaim()
         return self.arena.free_slots * self.arena.slot_bytes
 
+    @property
+    def held(self) -> int:
+        """Regions not free: lent to hand-overs, or ended and still read by a decode worker."""
+        self._reclaim()
+        return self._held
+
     def close(self) -> None:
         self.arena.close()
 
@@ -169,7 +175,7 @@ class ShmExporter:
         offset = self.arena.take_run(nbytes)
         if offset is None:
             return None
-        self.held += 1
+        self._held += 1
         if not self.arena.lock_range(offset, nbytes):  # a reader of its last hand-over locked it since: not free
             self._on_gone(offset, nbytes)
             return None
@@ -199,11 +205,11 @@ class ShmExporter:
             if self.arena.lock_range(offset, nbytes):
                 self.arena.unlock_range(offset, nbytes)
                 self.arena.give_run(offset, nbytes)
-                self.held -= 1
+                self._held -= 1
             else:
                 kept.append((offset, nbytes))
+        self.counts["reader_held"] = len(kept)  # ended regions a decode worker still reads, now
         if kept:
-            self.counts["reader_held"] = len(kept)
             with self._lock:
                 self._ended += kept
 
