@@ -165,7 +165,10 @@ class PrefillService(EngineWorker):
     async def serve_handover(self) -> None:
         assert self._kv_bus is not None
         if peer_transport(self.worker.kv_peer_transport).exports and self.worker.kv_handover == "peer":
-            self.handovers.exporter = ShmExporter.open(self.config.instance, self.worker.kv_arena_mib * MiB)
+            try:
+                self.handovers.exporter = ShmExporter.open(self.config.instance, self.worker.kv_arena_mib * MiB)
+            except OSError as exc:  # no /dev/shm (or no room in it): hand-overs go over NATS, as with `nats`
+                log.warning("no peer arena (%s): hand-overs go over NATS", exc)
         # on the KV connection: megabytes of replies never queue with heartbeats, tokens and acks
         await self._kv_bus.serve(subjects.kv_peer(self.config.instance), KvPeerPull, self.handovers.serve)
         await self._kv_bus.subscribe(subjects.kv_peer_done(self.config.instance), KvPeerDone, self._on_peer_done)
