@@ -34,7 +34,7 @@ from typing import Union
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.schemas.kv import KvPeerDone, KvPeerPull, KvPeerReply
-from shared.worker.kv_peer_transport import Region, ShmExporter, ShmImporter, checked
+from shared.worker.kv_peer_transport import Region, ShmExporter, ShmImporter, checked, sums
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,7 @@ class Handovers:
         assert handover.region is not None and self.exporter is not None
         region = handover.region
         if kind not in handover.sums:
-            items = list(region.items)
-            sums = await asyncio.to_thread(lambda: [checksum(i, kind) for i in items])
-            del items
-            handover.sums[kind] = sums
+            handover.sums[kind] = await sums(region.items, CHECKSUMS[kind])
         if handover.region is not region:
             return KvPeerReply(found=False)  # ended while its checksums were taken
         self.counts["blocks_served_shm"] += max(0, handover.blocks - start)
@@ -295,8 +292,9 @@ class PeerPuller:
         assert reply.shm is not None and self._importer is not None
         lengths = reply.shm.lengths
         sized = max(0, reply.blocks + reply.tail - start)  # items [0, sized) are blocks, full-size each
-        if (len(lengths) != reply.blocks + reply.tail + reply.state_parts - start or len(reply.checksums) != len(lengths)
-                or reply.checksum not in CHECKSUMS or any(n != self._block_bytes for n in lengths[:sized])):
+        whole = reply.blocks + reply.tail + reply.state_parts - start
+        if (len(lengths) != whole or len(reply.checksums) != len(lengths) or reply.checksum not in CHECKSUMS
+                or any(n != self._block_bytes for n in lengths[:sized])):
             self.counts["peer_corrupt"] += 1
             return Pulled([], None)
         loop = asyncio.get_running_loop()

@@ -37,7 +37,8 @@ print(int(buf.to(torch.int64).sum()), flush=True)
 
 def test_a_device_buffer_crosses_processes_by_handle_and_copies_device_to_device() -> None:
     producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(NBYTES)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert producer.stdout is not None and producer.stdin is not None
         fields = json.loads(producer.stdout.readline())
