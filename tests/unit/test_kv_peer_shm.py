@@ -176,3 +176,17 @@ def test_a_dead_owners_arena_is_not_read() -> None:
     closed = Arena(arena_path(f"test-closed-{os.getpid()}"), 2, 4096)
     closed.close()
     assert PeerMap.open(str(closed.path), closed.token) is None
+
+
+def test_transports_by_name_and_cuda_ipc_runs_as_auto_until_it_is_built() -> None:
+    from shared.worker import kv_cuda_ipc  # the mechanism imports without CUDA (its test is in tests/gpu)
+    from shared.worker.config import WorkerConfig
+    from shared.worker.kv_peer_transport import PEER_TRANSPORTS, peer_transport
+
+    assert peer_transport("nats").reads == () and not peer_transport("nats").exports
+    assert peer_transport("shm").reads == ("shm",) and peer_transport("auto") == PEER_TRANSPORTS["auto"]
+    assert peer_transport("cuda-ipc") == PEER_TRANSPORTS["auto"] and callable(kv_cuda_ipc.open_shared)
+    assert WorkerConfig("cpu", None, None, 1, kv_peer_transport="cuda-ipc", kv_arena_mib=640).kv_arena_mib == 640
+    for bad in ({"kv_peer_transport": "carrier-pigeon"}, {"kv_arena_mib": 0}):
+        with pytest.raises(ValueError, match="--kv-"):
+            WorkerConfig("cpu", None, None, 1, **bad)  # type: ignore[arg-type]
