@@ -119,19 +119,24 @@ class ShmExporter:
         layout = engine.layout
         runs = -(-tokens // layout.block_tokens)  # full blocks and the partial one, exported full-size each
         state = await engine.export_state(request_id)
-        parts = [len(state[at : at + part_bytes]) for at in range(0, len(state), part_bytes)]
+        parts = [min(part_bytes, len(state) - at) for at in range(0, len(state), part_bytes)]
         lengths = [layout.block_bytes] * runs + parts
         taken = self.take(lengths)
         if taken is None:
             return None
         offset, out = taken
+        blocks = out[: runs * layout.block_bytes]
+        filling = asyncio.ensure_future(engine.export_into(request_id, 0, [(0, runs, blocks)]))
         try:
-            if runs:
-                await engine.export_into(request_id, 0, [(0, runs, out[: runs * layout.block_bytes])])
-            out[runs * layout.block_bytes :] = state
-        except BaseException:
-            self.drop(offset, len(out))  # cancelled or failed: the engine call ran to its end (one thread)
+            await asyncio.shield(filling)
+        except asyncio.CancelledError:
+            # the export runs on the engine thread to its end whatever happens here: the region is free after it
+            filling.add_done_callback(lambda _: self.drop(offset, len(out)))
             raise
+        except BaseException:
+            self.drop(offset, len(out))
+            raise
+        out[runs * layout.block_bytes :] = state
         return self.lend(offset, lengths)
 
     def take(self, lengths: list[int]) -> tuple[int, memoryview] | None:

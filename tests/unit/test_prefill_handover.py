@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from services.prefill.service import PrefillService
@@ -151,9 +152,11 @@ async def test_the_store_path_hands_the_job_on_after_the_store(checkpoint: Path,
     await svc.engine.stop()
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["bytes", "region"])
 async def test_a_cancel_during_the_hand_over_leaves_nothing_held(checkpoint: Path,  # noqa: F811
-                                                                 loaded: LoadedModel) -> None:  # noqa: F811
+                                                                 loaded: LoadedModel, shm: bool) -> None:  # noqa: F811
     svc = prefill(checkpoint, loaded, "peer")
+    exporter = svc.handovers.exporter = ShmExporter.open(f"test-cancel-{os.getpid()}", 16 << 20) if shm else None
     kv: FakeKv = svc.kv  # type: ignore[assignment]
     kv.gate = asyncio.Event()
     task = asyncio.create_task(svc._on_job(job("r3"), ENV))
@@ -162,9 +165,14 @@ async def test_a_cancel_during_the_hand_over_leaves_nothing_held(checkpoint: Pat
     await svc._on_cancel(Cancel("r3", "client disconnected"), ENV)
     assert len(svc.handovers) == 0 and svc.handovers.counts["ended_cancelled"] == 1
     assert not (await svc.handovers.serve(KvPeerPull("r3", 0, [], 1 << 20))).found
+    if exporter is not None:
+        assert exporter.held == 1  # the store's put still reads the region's views
     kv.gate.set()
     await task  # settled, not failed into redelivery
     assert await held(svc) == 0 and svc.active == set()
+    if exporter is not None:
+        assert exporter.held == 0 and exporter.counts["regions"] == 1  # the put over: the region is free
+        exporter.close()
     assert svc.engine is not None
     await svc.engine.stop()
 
