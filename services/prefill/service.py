@@ -20,7 +20,7 @@ from shared.bus import Envelope
 from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
 from shared.worker.kv_peer import Handovers
-from shared.worker.kv_peer_transport import ShmExporter, peer_transport
+from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MiB
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent
 from shared.schemas.kv import KvPeerDone, KvPeerPull
@@ -164,9 +164,10 @@ class PrefillService(EngineWorker):
 
     async def serve_handover(self) -> None:
         assert self._kv_bus is not None
-        if peer_transport(self.worker.kv_peer_transport).exports and self.worker.kv_handover == "peer":
+        exporter = peer_transport(self.worker.kv_peer_transport).exporter
+        if exporter is not None and self.worker.kv_handover == "peer":
             try:
-                self.handovers.exporter = ShmExporter.open(self.config.instance, self.worker.kv_arena_mib * MiB)
+                self.handovers.exporter = exporter(self.config.instance, self.worker.kv_arena_mib * MiB)
             except OSError as exc:  # no /dev/shm (or no room in it): hand-overs go over NATS, as with `nats`
                 log.warning("no peer arena (%s): hand-overs go over NATS", exc)
         # on the KV connection: megabytes of replies never queue with heartbeats, tokens and acks

@@ -60,18 +60,24 @@ Buffer = Union[bytes, memoryview]
 
 @dataclass(frozen=True)
 class PeerTransport:
-    """One way the bytes can go: `exports` whether prefill holds hand-overs in a region; `reads` the `via` names
-    decode offers in its pulls, best first (empty: the bytes come in the replies)."""
+    """One way the bytes can go. `exporter`: what holds prefill's hand-overs where decode can read them in
+    place, made from (the worker's instance, bytes it may fill), None: the bytes go in the replies. `reads`: the
+    `via` names decode offers in its pulls, best first."""
 
-    exports: bool
+    exporter: Callable[[str, int], ShmExporter] | None
     reads: tuple[str, ...]
 
 
+def _shm_exporter(instance: str, arena_bytes: int) -> ShmExporter:
+    return ShmExporter.open(instance, arena_bytes)
+
+
 PEER_TRANSPORTS: dict[str, PeerTransport] = {
-    "nats": PeerTransport(False, ()),
-    "shm": PeerTransport(True, ("shm",)),
-    # cuda-ipc joins `auto`'s list (before shm) once it exists; until then auto is shm-else-nats
-    "auto": PeerTransport(True, ("shm",)),
+    "nats": PeerTransport(None, ()),
+    "shm": PeerTransport(_shm_exporter, ("shm",)),
+    # cuda-ipc joins `auto`'s list (before shm) once it exists; until then auto is shm-else-nats. An RDMA
+    # library is an entry of its own, its exporter registering the region with the library.
+    "auto": PeerTransport(_shm_exporter, ("shm",)),
 }
 PLANNED = ("cuda-ipc",)  # accepted names that are not built yet: they run as `auto` (with a warning)
 

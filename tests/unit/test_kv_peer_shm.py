@@ -183,7 +183,7 @@ def test_transports_by_name_and_cuda_ipc_runs_as_auto_until_it_is_built() -> Non
     from shared.worker.config import WorkerConfig
     from shared.worker.kv_peer_transport import PEER_TRANSPORTS, peer_transport
 
-    assert peer_transport("nats").reads == () and not peer_transport("nats").exports
+    assert peer_transport("nats").reads == () and peer_transport("nats").exporter is None
     assert peer_transport("shm").reads == ("shm",) and peer_transport("auto") == PEER_TRANSPORTS["auto"]
     assert peer_transport("cuda-ipc") == PEER_TRANSPORTS["auto"] and callable(kv_cuda_ipc.open_shared)
     assert WorkerConfig("cpu", None, None, 1, kv_peer_transport="cuda-ipc", kv_arena_mib=640).kv_arena_mib == 640
