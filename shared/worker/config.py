@@ -73,7 +73,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="how a peer hand-over's bytes reach decode: auto (shared memory when decode can map "
                              "prefill's arena, i.e. one host; else nats) | shm | nats | cuda-ipc (not built yet: "
                              "runs as auto)")
-    parser.add_argument("--kv-arena-mib", type=int, default=int(os.environ.get("DEEPINFER_KV_ARENA_MIB", ARENA_MIB)),
+    parser.add_argument("--kv-arena-mib", type=int, default=os.environ.get("DEEPINFER_KV_ARENA_MIB", str(ARENA_MIB)),
                         help="MiB of shared memory (/dev/shm) per arena: the store's (--kv-transport shm) and a "
                              "prefill worker's peer hand-overs' (a prompt's KV that does not fit goes over NATS)")
 
