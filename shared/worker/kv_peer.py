@@ -297,6 +297,8 @@ class PeerPuller:
                 or any(n != self._block_bytes for n in lengths[:sized])):
             self.counts["peer_corrupt"] += 1
             return Pulled([], None)
+        if not lengths:
+            return Pulled([], (b"", b""))  # decode's own cache holds every block, and there is nothing else
         loop = asyncio.get_running_loop()
         views = self._importer.read(reply, lambda: self._released(loop, worker, request_id))
         if views is None:

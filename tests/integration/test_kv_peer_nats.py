@@ -159,6 +159,11 @@ async def test_a_pull_through_shared_memory_reads_the_same_bytes_and_frees_the_r
         del pulled
         await until(lambda: len(handovers) == 0, 10, "the done after the views went")
         assert handovers.counts["ended_done"] == 1 and exporter.free_bytes == all_free and exporter.held == 0
+        fill_shm(handovers, "r5b", keys, data, b"", b"")  # block-aligned, and decode holds every block itself
+        held_here = await puller.pull("p3", "r5b", keys, len(keys))
+        assert held_here.blocks == [] and held_here.snapshot == (b"", b"") and not held_here.held
+        assert puller.counts["shm_refused"] == 0
+        await until(lambda: len(handovers) == 0, 10, "the done message")
     finally:
         await prefill.drain()
         await decode.drain()
