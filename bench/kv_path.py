@@ -1,6 +1,7 @@
 """The KV data plane, prefill -> kvcache -> decode, against the host's own ceilings measured in the same run.
 
-    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--transport nats|shm]
+    .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--llama8b-tokens 0]
+                                      [--transport nats|shm]
                                       [--io run|blocks] [--arena-mib N] [--device cpu|cuda] [--out FILE]
 
 Real parts: a private nats-server (the launcher's config: 8 MiB payloads, 32 MiB pending per connection), the
@@ -9,6 +10,7 @@ workers' KvClient on its own connection, and the engines' own caches for export 
 on the GPU with --device cuda):
 
     llama   SmolLM2-135M's layout: 30 layers x 2 x 16 tokens x 3 KV heads x 64, float32 (737,280 bytes a block)
+    llama8b Llama-3-8B's: 32 layers x 2 x 16 tokens x 8 KV heads x 128, bfloat16 (2 MiB a block; --llama8b-tokens)
     v4      V4-Flash widths at full depth: 43 layers (2 HCA, then CSA / HCA interleaved), 128-token blocks,
             bfloat16 compressed entries + indexer keys (842,752 bytes a block)
 
@@ -23,8 +25,13 @@ and with --io blocks (before the one-copy path): read_blocks (a bytes per block)
     (c) peer             the same on the peer path (shared/worker/kv_peer.py, the default --kv-handover): a prefill
                          process (this file, --peer-child) exports the run with read_blocks into its hand-over
                          when told (the job leaving), while decode pulls it over kv.peer.<worker> (4 MiB
-                         messages, 2 in flight, crc32 checked), then write_blocks: export + one NATS crossing +
+                         messages, 2 in flight, xxh3 checked), then write_blocks: export + one NATS crossing +
                          import, no store
+    (c) peer shm         the same hand-over on one host (--kv-peer-transport shm/auto, kv_peer_transport.py):
+                         the child exports the run once into a region of its peer arena (export_run), the pull's
+                         reply is a descriptor, decode maps the arena, checks every block's xxh3 there and
+                         imports from views of the map (write_blocks -> import_run: one copy); the region is the
+                         child's again once decode's views are gone
     1 block latency      (a) and (b) for one block, median of --repeat
 
 Ceilings, same bytes, same run:
@@ -49,6 +56,7 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,6 +80,7 @@ from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
 from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
+from shared.worker.kv_peer_transport import ShmExporter  # noqa: E402
 from shared.worker.kvclient import KvClient  # noqa: E402
 from shared.schemas.health import HealthReply, HealthRequest  # noqa: E402
 from shared.schemas.kv_peer import KvPeerDone, KvPeerPull  # noqa: E402
@@ -101,6 +110,13 @@ def llama_cache(blocks: int, device: torch.device) -> KVCache:
     return cache
 
 
+def llama8b_cache(blocks: int, device: torch.device) -> KVCache:
+    spec = CacheSpec(PagedSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype=torch.bfloat16), 0)
+    cache = KVCache(spec, blocks, device)
+    cache.kv.uniform_()
+    return cache
+
+
 def tensors(cache: Cache) -> list[torch.Tensor]:
     return [cache.kv] if isinstance(cache, KVCache) else list(cache._paged)  # noqa: SLF001
 
@@ -126,7 +142,7 @@ def v4_cache(blocks: int, device: torch.device) -> V4Cache:
 
 
 LAYOUTS: dict[str, tuple[int, Callable[[int, torch.device], Cache]]] = {
-    "llama": (16, llama_cache), "v4": (128, v4_cache)}
+    "llama": (16, llama_cache), "v4": (128, v4_cache), "llama8b": (16, llama8b_cache)}
 
 
 @dataclass
@@ -145,6 +161,7 @@ class Row:
     get_s: float  # (b)
     handover_s: float  # (c)
     peer_s: float  # (c) on the peer path
+    peer_shm_s: float  # (c) on the peer path through shared memory
     one_put_s: float
     one_get_s: float
     failed_puts: int
@@ -300,9 +317,10 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     h2d, d2h, d2h_pageable = device_copy_s(nbytes, device, repeat)
     write, read = disk_s(directory, nbytes)
     wire = await nats_s(url, nbytes)
-    peer = await peer_path(url, layout, n, make)
+    peer = await peer_path(url, layout, n, make, device, "nats")
+    peer_shm = await peer_path(url, layout, n, make, device, "shm")
     return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, put_s, get_s, put_s + get_s,
-               peer, statistics.median(one_put), statistics.median(one_get), failed, n - got_back, h2d, d2h,
+               peer, peer_shm, statistics.median(one_put), statistics.median(one_get), failed, n - got_back, h2d, d2h,
                d2h_pageable)
 
 
@@ -316,28 +334,39 @@ def peer_keys(rid: str, n: int) -> list[bytes]:
     return [hashlib.blake2b(f"{rid}:{i}".encode(), digest_size=16).digest() for i in range(n)]
 
 
-async def peer_path(url: str, layout: str, n: int, make: Callable[[int], Cache]) -> float:
-    """Seconds from "hand over" to the run imported at decode, the prefill side in its own process."""
-    child = subprocess.Popen([sys.executable, __file__, "--peer-child", url, layout, str(n)],
+async def peer_path(url: str, layout: str, n: int, make: Callable[[int, torch.device], Cache],
+                    device: torch.device, transport: str) -> float:
+    """Seconds from "hand over" to the run imported at decode, the prefill side in its own process, the bytes
+    over `transport` (nats: in the replies; shm: through the child's peer arena, a descriptor in the reply)."""
+    child = subprocess.Popen([sys.executable, __file__, "--peer-child", url, layout, str(n), str(device), transport],
                              stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
     assert child.stdout is not None
     if child.stdout.readline().strip() != b"ready":
         raise RuntimeError("the peer child did not come up")
-    dst = make(n)
+    dst = make(n, device)
     bus = await Bus.connect(url, "bench-decode")
     raw = await nats.connect(url)
     try:
-        puller = PeerPuller(bus, dst.block_bytes, message_bytes=min(4 * MiB, bus.max_payload - 64 * 1024))
+        # long timeouts: a throughput measure on a loaded machine, not the fault behaviour (tests/ has that)
+        puller = PeerPuller(bus, dst.block_bytes, message_bytes=min(4 * MiB, bus.max_payload - 64 * 1024),
+                            via=["shm"] if transport == "shm" else [], first_timeout=120.0, timeout=60.0)
         best = float("inf")
-        for attempt in range(2):
-            rid = f"bench-{attempt}"
+        for attempt in range(3):
+            rid = f"bench-{transport}-{attempt}"
             keys = peer_keys(rid, n)
+            sync(device)
             started = time.perf_counter()
             await raw.request(PEER_OPEN, rid.encode(), timeout=30)
             pulled = await puller.pull(PEER, rid, keys, 0)
-            dst.write_blocks(list(range(len(pulled.blocks))), pulled.blocks)
+            got = len(pulled.blocks)
+            dst.write_blocks(list(range(got)), pulled.blocks)
+            sync(device)
             best = min(best, time.perf_counter() - started)
-            assert len(pulled.blocks) == n, f"the peer gave {len(pulled.blocks)} of {n} blocks"
+            del pulled  # views of the child's arena: its region comes back, `done` goes
+            assert got == n, f"the peer gave {got} of {n} blocks"
+            if transport == "shm":
+                assert puller.counts["peer_blocks_shm"] == (attempt + 1) * n, "not through shared memory"
+            await asyncio.sleep(0.5)  # untimed: the done reaches the child, its region is free for the next
         return best
     finally:
         await raw.close()
@@ -346,18 +375,32 @@ async def peer_path(url: str, layout: str, n: int, make: Callable[[int], Cache])
         child.wait(30)
 
 
-async def peer_child(url: str, layout: str, n: int) -> None:
-    """The prefill side: a cache of `n` blocks, exported into a hand-over each time it is told to."""
-    src = LAYOUTS[layout][1](n)
-    handovers = Handovers()
+async def peer_child(url: str, layout: str, n: int, device: str, transport: str) -> None:
+    """The prefill side: a cache of `n` blocks, exported into a hand-over each time it is told to (shm: into a
+    region of a peer arena the size of the run, with export_run, as the worker's ShmExporter.export does)."""
+    src = LAYOUTS[layout][1](n, torch.device(device))
+    exporter = ShmExporter.open(f"{PEER}-{os.getpid()}", n * src.block_bytes + MiB) if transport == "shm" else None
+    handovers = Handovers(exporter=exporter)
     bus = await Bus.connect(url, PEER)
     raw = await nats.connect(url)
+
+    def export_into(out: memoryview) -> None:
+        src.export_run(list(range(n)), out)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
 
     async def on_open(msg: nats.aio.msg.Msg) -> None:
         rid = msg.data.decode()
         handovers.open(rid, peer_keys(rid, n))
         await msg.respond(b"ok")  # the job has left: decode may pull now, and waits for the export
-        blobs = await asyncio.to_thread(src.read_blocks, list(range(n)))  # prefill's engine thread
+        if exporter is not None:
+            lengths = [src.block_bytes] * n
+            taken = exporter.take(lengths)
+            assert taken is not None, "the peer arena has no room"
+            await asyncio.to_thread(export_into, taken[1])  # prefill's engine thread
+            handovers.fill_region(rid, exporter.lend(taken[0], lengths), n, False)
+            return
+        blobs = await asyncio.to_thread(src.read_blocks, list(range(n)))
         handovers.fill(rid, blobs, b"", b"", bus.max_payload - 64 * 1024)
 
     async def on_done(done: KvPeerDone, _: object) -> None:
@@ -369,7 +412,11 @@ async def peer_child(url: str, layout: str, n: int) -> None:
     await raw.flush()
     await bus._nc.flush()  # noqa: SLF001 - subscribed at the server before the parent is told "ready"
     print("ready", flush=True)
-    await asyncio.Event().wait()  # until terminated
+    try:
+        await asyncio.Event().wait()  # until terminated
+    finally:
+        if exporter is not None:
+            exporter.close()
 
 
 async def count_missing(kv: KvClient, keys: list[bytes]) -> int:
@@ -429,7 +476,8 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
         if kv.arena is not None and args.pin_arena and device.type == "cuda":
             pin(kv.arena)
         rows = []
-        for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens)):
+        for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens),
+                               ("llama8b", args.llama8b_tokens)):
             if tokens:
                 rows.append(await store_path(kv, server.url, layout, tokens, args.repeat, work, args.io, device))
                 print(f"  {layout} {tokens} tokens done", file=sys.stderr, flush=True)
@@ -455,8 +503,9 @@ def table(rows: list[Row], slow: int) -> str:
         f"| layout | tokens | blocks | MB | memcpy | {extra}disk write | disk read | nats | export | import "
         "| (a) export+put | (b) get+import "
         "| (c) hand-over | (c) / memcpy | (c) / nats | (c) peer | peer / memcpy | store / peer "
+        "| (c) peer shm | peer shm / memcpy | peer / peer shm "
         "| 1 block put | 1 block get | failed puts | blocks not got back |",
-        "|---" * (22 + 3 * gpu) + "|",
+        "|---" * (25 + 3 * gpu) + "|",
     ]
     for r in rows:
         copies = (f"{rate(r.nbytes, r.h2d_s)} | {rate(r.nbytes, r.d2h_s)} | {rate(r.nbytes, r.d2h_pageable_s)} | "
@@ -471,6 +520,8 @@ def table(rows: list[Row], slow: int) -> str:
             f"| {r.handover_s / r.nats_s:,.1f}x "
             f"| {r.peer_s * 1e3:,.0f} ms ({rate(r.nbytes, r.peer_s)}) | {r.peer_s / r.memcpy_s:,.0f}x "
             f"| {r.handover_s / r.peer_s:,.1f}x "
+            f"| {r.peer_shm_s * 1e3:,.1f} ms ({rate(r.nbytes, r.peer_shm_s)}) | {r.peer_shm_s / r.memcpy_s:,.1f}x "
+            f"| {r.peer_s / r.peer_shm_s:,.1f}x "
             f"| {r.one_put_s * 1e3:.1f} ms | {r.one_get_s * 1e3:.1f} ms | {r.failed_puts} | {r.missing_gets} |"
         )
     lines.append(f"\nSlow-consumer disconnects in the nats-server log: {slow}")
@@ -496,12 +547,14 @@ def gpu_name(device: str) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--peer-child":
-        asyncio.run(peer_child(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    if len(sys.argv) == 7 and sys.argv[1] == "--peer-child":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # its arena removed on the way out
+        asyncio.run(peer_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-tokens", type=int, default=8192, help="prompt length, Llama layout (0: skip)")
     parser.add_argument("--v4-tokens", type=int, default=77824, help="prompt length, V4 layout (0: skip)")
+    parser.add_argument("--llama8b-tokens", type=int, default=0, help="prompt length, Llama-3-8B layout (0: skip)")
     parser.add_argument("--repeat", type=int, default=5, help="one-block latencies: median of this many")
     parser.add_argument("--message-mib", type=float, default=None, help="KvClient: blobs per batch message, MiB")
     parser.add_argument("--window-mib", type=float, default=None, help="KvClient: batches in flight, MiB")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import struct
 import threading
 import time
 import weakref
@@ -40,6 +41,8 @@ PREFIX = "deepinfer-kv-"
 HEADER = 4096
 TOKEN_BYTES = 16
 GRACE_S = 1.0  # after a lent slot's deadline, before it is lent again: the store's last write is a memcpy away
+
+ARENA_MIB = 128  # a worker's arena by default (--kv-arena-mib): a run up to about this imports with one copy
 
 
 def arena_path(instance: str, pid: int | None = None) -> Path:
@@ -112,6 +115,31 @@ class Arena:
         with self._lock:
             self._free.append((offset - HEADER) // self.slot_bytes)
 
+    def take_run(self, nbytes: int) -> int | None:
+        """The offset of enough free slots back to back for `nbytes` (a peer hand-over's region), or None."""
+        n = -(-nbytes // self.slot_bytes)
+        with self._lock:
+            self._reclaim(time.monotonic())
+            free = sorted(self._free)
+            for i in range(len(free) - n + 1):
+                if free[i + n - 1] - free[i] == n - 1:  # sorted and distinct: n consecutive slots
+                    taken = set(free[i : i + n])
+                    self._free = [s for s in self._free if s not in taken]
+                    return HEADER + free[i] * self.slot_bytes
+        return None
+
+    def give_run(self, offset: int, nbytes: int) -> None:
+        first = (offset - HEADER) // self.slot_bytes
+        with self._lock:
+            self._free += range(first, first + -(-nbytes // self.slot_bytes))
+
+    def lock_range(self, offset: int, nbytes: int) -> bool:
+        """Take the write lock on a region (see `range_lock`): False while a reader in another process holds it."""
+        return range_lock(self._fd, fcntl.F_WRLCK, offset, nbytes)
+
+    def unlock_range(self, offset: int, nbytes: int) -> None:
+        range_lock(self._fd, fcntl.F_UNLCK, offset, nbytes)
+
     def lose(self, offset: int, deadline: float) -> None:
         """The request holding this slot timed out: the store may write into it until `deadline`, so it is lent
         again only after that (plus a grace)."""
@@ -129,6 +157,11 @@ class Arena:
     def view(self, offset: int, nbytes: int) -> memoryview:
         """`nbytes` of the slot at `offset`, writable, for an exporter to fill."""
         assert nbytes <= self.slot_bytes, "a batch larger than a slot"
+        return memoryview(self._map)[offset : offset + nbytes]
+
+    def region(self, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` from `offset` (a run of slots `take_run` gave), writable."""
+        assert HEADER <= offset and offset + nbytes <= HEADER + self.slots * self.slot_bytes, "outside the arena"
         return memoryview(self._map)[offset : offset + nbytes]
 
     def write(self, offset: int, blobs: Sequence[bytes]) -> list[int]:
@@ -171,6 +204,70 @@ class Arena:
             pass
         os.close(self._fd)  # and with it the owner's lock
         self._fd = -1
+
+
+# --- byte-range locks: who may write a region of an arena, across processes ------------------------------------
+# Open-file-description locks (fcntl F_OFD_SETLK): one per open of the file, dropped by the kernel when that
+# process dies however it dies, and never by closing another descriptor (as POSIX record locks are). A peer
+# hand-over's region is written by its owner only under the write lock and read by a decode worker only under a
+# read lock, so a region a reader holds is never lent again, and a dead reader's lock goes with it.
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (64-bit): l_type, l_whence, l_start, l_len, l_pid
+
+
+def range_lock(fd: int, kind: int, offset: int, nbytes: int) -> bool:
+    """Set `kind` (F_RDLCK, F_WRLCK, F_UNLCK) on bytes [offset, offset + nbytes) of `fd`, without waiting;
+    False when another open of the file holds a conflicting lock."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, offset, nbytes, 0))
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
+
+
+class PeerMap:
+    """A reader's map of another worker's arena (a decode worker mapping a prefill worker's), with the descriptor
+    its read locks are on; the descriptor closes when the map is dropped and no view of it is left."""
+
+    def __init__(self, path: Path, fd: int, mapped: mmap.mmap) -> None:
+        self.path, self.fd, self.map = path, fd, mapped
+        self.inode = os.fstat(fd).st_ino
+        weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def open(cls, path: str, token: bytes) -> PeerMap | None:
+        """The arena at `path` mapped read-only, if it is an arena, its token matches and its owner is alive."""
+        p = Path(path)
+        if p.parent != SHM_DIR or not p.name.startswith(PREFIX) or not owner_alive(p):
+            return None
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            return None  # another host's arena, or gone
+        try:
+            size = os.fstat(fd).st_size
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size > HEADER else None
+        except OSError:
+            mapped = None
+        if mapped is None or mapped[:TOKEN_BYTES] != token:
+            os.close(fd)
+            return None
+        return cls(p, fd, mapped)
+
+    def current(self, token: bytes) -> bool:
+        """Whether this map is still of the live arena at its path with `token` (not a replaced or dead one)."""
+        try:
+            same = os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
+        return same and self.map[:TOKEN_BYTES] == token and owner_alive(self.path)
+
+    def hold(self, offset: int, nbytes: int) -> bool:
+        """A read lock on the region: its owner cannot write it again until `release`."""
+        return 0 < offset and offset + nbytes <= len(self.map) and range_lock(self.fd, fcntl.F_RDLCK, offset, nbytes)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        range_lock(self.fd, fcntl.F_UNLCK, offset, nbytes)
 
 
 class ArenaMaps:

@@ -19,6 +19,7 @@ from shared.bus import Envelope
 from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
 from shared.worker.kv_peer import PeerPuller
+from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MESSAGE_OVERHEAD, MiB
 from shared.schemas.generate import DecodeJob, TokenEvent
 from shared.worker import short_term
@@ -53,6 +54,8 @@ class DecodeService(EngineWorker):
                 tail, state = snap
                 blobs += [tail] if tail else []
                 prefix_tokens = len(prompt)  # V4: rings there (else: bounded replay)
+                del tail
+        snap = None  # blobs may be views of a peer's arena: `blobs` is the one reference to them left (see below)
         if prefix_tokens < len(prompt):
             log.info("%s: %d of %d prompt tokens not in the store, recomputing", req.request_id,
                      len(prompt) - prefix_tokens, len(prompt))
@@ -75,6 +78,9 @@ class DecodeService(EngineWorker):
         finish_reason = None
         try:
             async for out in self.engine.generate(engine_req):
+                # imported at admission: let the views go now, so the store's or the peer's shared memory comes
+                # back to its owner (its `done`) during the decode, not after it
+                blobs.clear()
                 if not out.token_ids and out.finish_reason is None:
                     continue
                 finish_reason = out.finish_reason
@@ -122,7 +128,8 @@ class DecodeService(EngineWorker):
     async def serve_handover(self) -> None:
         assert self._kv_bus is not None and self.engine is not None
         message = min(4 * MiB, self._kv_bus.max_payload - MESSAGE_OVERHEAD)
-        self.peers = PeerPuller(self._kv_bus, self.engine.layout.block_bytes, message_bytes=message)
+        self.peers = PeerPuller(self._kv_bus, self.engine.layout.block_bytes, message_bytes=message,
+                                via=peer_transport(self.worker.kv_peer_transport).reads)
 
     def handover_counts(self) -> dict[str, int]:
         return {**self.fetched, **(self.peers.counts if self.peers is not None else {})}

@@ -4,7 +4,8 @@ For each job: find what the kvcache service already has of the prompt (the longe
 longest short-term snapshot on top of it: a previous turn's end, shared/worker/short_term.py), import that, compute the
 rest (chunked, batched with other prompts), sample the first token, hand the request to the decode balancer
 and send the token to the client, export the prompt's KV once and hold those bytes for the decode worker's pull
-(shared/worker/kv_peer.py: until it says done, a lease ends or a cancel comes), and store the new full blocks under
+(shared/worker/kv_peer.py: until it says done, a lease ends or a cancel comes; on one host in a region of the
+worker's peer arena, shared/worker/kv_peer_transport.py), and store the new full blocks under
 their chained hashes and a snapshot at the prompt's end (partial last block + the model's per-request state)
 for later turns. With `--kv-handover store` the job goes after the store instead, and decode reads it there.
 """
@@ -19,6 +20,8 @@ from shared.bus import Envelope
 from shared.config import ServiceConfig
 from shared.engine.engine import EngineRequest
 from shared.worker.kv_peer import Handovers
+from shared.worker.kv_peer_transport import peer_transport
+from shared.worker.kvclient import MiB
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent
 from shared.schemas.kv_peer import KvPeerDone, KvPeerPull
 from shared.worker import short_term
@@ -96,9 +99,7 @@ class PrefillService(EngineWorker):
                 await self._hand_over(req, token, hashes, self._snapshot_key(prompt, ns, hashes),
                                       first.num_cached_tokens, self.handovers.lease_s)
                 await self.publish_tokens(event, env)
-                exported = await self.transfer.export_kv(req.request_id, len(prompt), 0)
-                self.handovers.fill(req.request_id, exported.blocks, exported.tail, exported.state,
-                                    self.transfer.state_part_bytes)
+                exported = await self._export(req.request_id, len(prompt))
         except BaseException:
             # failed or cancelled before the bytes were in (a cancel ended it already): a pull that waits for
             # them answers "not found" now, not when the lease ends
@@ -134,6 +135,23 @@ class PrefillService(EngineWorker):
         )
         await self.bus.submit(subjects.ROUTE_DECODE, handoff, msg_id=f"{req.request_id}:handoff")
 
+    async def _export(self, request_id: str, tokens: int) -> ExportedKv:
+        """Export the prompt's KV once into its hand-over: into a region of the peer arena where there is one
+        and room in it, else as bytes; the same bytes (views of the region) go to the store afterwards."""
+        assert self.engine is not None and self.transfer is not None
+        exporter = self.handovers.exporter
+        part_bytes = self.transfer.state_part_bytes
+        region = await exporter.export(self.engine, request_id, tokens, part_bytes) if exporter is not None else None
+        if region is None:
+            exported = await self.transfer.export_kv(request_id, tokens, 0)
+            self.handovers.fill(request_id, exported.blocks, exported.tail, exported.state, part_bytes)
+            return exported
+        full = tokens // self.engine.layout.block_tokens
+        tail = tokens % self.engine.layout.block_tokens > 0
+        self.handovers.fill_region(request_id, region, full, tail)
+        items = region.items
+        return ExportedKv(0, items[:full], bytes(items[full]) if tail else b"", b"".join(items[full + tail :]))
+
     def _snapshot_key(self, prompt: list[int], ns: bytes, hashes: list[bytes]) -> bytes:
         """The key store_kv will save the prompt's snapshot under (b"": it saves none)."""
         assert self.engine is not None
@@ -146,6 +164,12 @@ class PrefillService(EngineWorker):
 
     async def serve_handover(self) -> None:
         assert self._kv_bus is not None
+        exporter = peer_transport(self.worker.kv_peer_transport).exporter
+        if exporter is not None and self.worker.kv_handover == "peer":
+            try:
+                self.handovers.exporter = exporter(self.config.instance, self.worker.kv_arena_mib * MiB)
+            except OSError as exc:  # no /dev/shm (or no room in it): hand-overs go over NATS, as with `nats`
+                log.warning("no peer arena (%s): hand-overs go over NATS", exc)
         # on the KV connection: megabytes of replies never queue with heartbeats, tokens and acks
         await self._kv_bus.serve(subjects.kv_peer(self.config.instance), KvPeerPull, self.handovers.serve)
         await self._kv_bus.subscribe(subjects.kv_peer_done(self.config.instance), KvPeerDone, self._on_peer_done)
@@ -157,7 +181,15 @@ class PrefillService(EngineWorker):
         self.handovers.end(request_id, "cancelled")
 
     def handover_counts(self) -> dict[str, int]:
-        return {**self.handovers.counts, "leases": len(self.handovers)}
+        exporter = self.handovers.exporter
+        shm = {} if exporter is None else {**{f"shm_{k}": v for k, v in exporter.counts.items()},
+                                          "shm_regions_held": exporter.held}
+        return {**self.handovers.counts, "leases": len(self.handovers), **shm}
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.handovers.exporter is not None:
+            self.handovers.exporter.close()
 
     async def _restore(self, prompt: list[int], ns: bytes, hashes: list[bytes]) -> tuple[list[bytes], int, bytes]:
         """(blobs, tokens they cover, model state) of the longest prefix the store can give back. The last

@@ -66,6 +66,10 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--kv-blocks", type=int, default=None,
                          help="KV pool size in blocks per worker (overrides --gpu-memory-utilization); "
                               "default: from memory (1 GiB on a CPU)")
+    workers.add_argument("--kv-arena-mib", type=int, default=None,
+                         help="MiB of shared memory (/dev/shm) per worker arena: the KV store's and a prefill "
+                              "worker's same-host hand-overs to decode (a prompt's KV larger goes over NATS); "
+                              f"default: {default_of(WorkerConfig, 'kv_arena_mib')}")
     workers.add_argument("--max-num-seqs", "--max-running", dest="max_num_seqs", type=int,
                          default=default_of(WorkerConfig, "max_running"), help="requests a worker holds at once")
     workers.add_argument("--max-num-batched-tokens", "--max-batch-tokens", dest="max_num_batched_tokens", type=int,
@@ -139,7 +143,8 @@ def _check_values(args: argparse.Namespace) -> None:
               "--decode-workers": (args.decode_workers, 1), "--max-num-seqs": (args.max_num_seqs, 1),
               "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
               "--speculative-tokens": (args.speculative_tokens, 0), "--max-model-len": (args.max_model_len, 2),
-              "--kv-blocks": (args.kv_blocks, 1), "--max-queued-requests": (args.max_queued_requests, 0),
+              "--kv-blocks": (args.kv_blocks, 1), "--kv-arena-mib": (args.kv_arena_mib, 1),
+              "--max-queued-requests": (args.max_queued_requests, 0),
               "--max-queued-tokens": (args.max_queued_tokens, 0)}
     for flag, (value, low) in lowest.items():
         if value is not None and value < low:

@@ -20,6 +20,20 @@ class KvPeerPull:
     max_bytes: int
     count: int = 0  # at most this many items (0: as many as fit)
     checksum: str = "crc32"  # the checksum the caller would rather have: "xxh3" (where installed) | "crc32"
+    # transports the caller can read the bytes through, best first (shared/worker/kv_peer_transport.py): a peer
+    # that holds the hand-over in one of them answers with a descriptor (KvPeerReply.shm), not the bytes
+    via: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KvPeerShm:
+    """Where a hand-over's items [start, ...) lie in the prefill worker's arena (shared/kv_arena.py), one after
+    another from `offset`: read them under a read lock on the region (PeerMap.hold), check each item's checksum."""
+
+    arena: str  # the arena's path
+    token: bytes  # the arena's token: proves the reader maps the same file (same host, same arena)
+    offset: int
+    lengths: list[int]  # one per item
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,7 @@ class KvPeerReply:
     tail: bool = False  # an item for the partial last block follows them
     state_parts: int = 0  # items of model state after that
     checksum: str = "crc32"  # which: the one asked for where the peer has it, else crc32 (everyone has it)
+    shm: KvPeerShm | None = None  # set: the items lie there (items is empty; checksums are of all of them)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, GPU_BATCH_TOKENS, add_flags, from_args, option
+from shared.kv_arena import ARENA_MIB
 
 HANDOVERS = ("peer", "store")  # --kv-handover
 KV_TRANSPORTS = "nats | shm"  # the names in shared/worker/kvclient.py TRANSPORTS, for --help (a test checks them)
@@ -44,8 +45,17 @@ class WorkerConfig:
         "peer", env=True, help="how a prompt's KV reaches decode: peer (decode pulls it from the prefill worker, the "
                                "store still gets it for later turns; the store when the peer cannot give it) | store "
                                "(through the kvcache service only)")
+    # how a peer hand-over's bytes go: shared/worker/kv_peer_transport.py PEER_TRANSPORTS
+    kv_peer_transport: str = option(
+        "auto", env=True, help="how a peer hand-over's bytes reach decode: auto (shared memory when decode can map "
+                               "prefill's arena, i.e. one host; else nats) | shm | nats | cuda-ipc (not built yet: "
+                               "runs as auto)")
+    kv_arena_mib: int = option(
+        ARENA_MIB, env=True, help="MiB of shared memory (/dev/shm) per arena: the store's (--kv-transport shm) and a "
+                                  "prefill worker's peer hand-overs' (a prompt's KV that does not fit goes over NATS)")
 
     def __post_init__(self) -> None:
+        from shared.worker.kv_peer_transport import PEER_TRANSPORTS, PLANNED
         from shared.worker.kvclient import TRANSPORTS  # the bus: not for `deepinfer up --help`
 
         if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_running < 1:
@@ -58,6 +68,10 @@ class WorkerConfig:
             raise ValueError(f"--kv-transport must be one of {sorted(TRANSPORTS)}")
         if self.kv_handover not in HANDOVERS:
             raise ValueError(f"--kv-handover must be one of {list(HANDOVERS)}")
+        if self.kv_peer_transport not in (*PEER_TRANSPORTS, *PLANNED):
+            raise ValueError(f"--kv-peer-transport must be one of {[*PEER_TRANSPORTS, *PLANNED]}")
+        if self.kv_arena_mib < 1:
+            raise ValueError("--kv-arena-mib must be positive")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
 

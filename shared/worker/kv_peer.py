@@ -13,7 +13,12 @@ the pull names the block hashes it expects (checked at prefill), so a pull never
 
 A hand-over ends, and its bytes are dropped, at the first of: decode's `done` (sent however its pull ended),
 its lease (`lease_s` after it opened: a decode worker that never comes), a cancel of the request. Nothing
-outlives the lease.
+outlives the lease but a region of the peer arena a live decode worker still reads from (its read lock).
+
+On one host the items lie in a region of prefill's peer arena and a pull is answered with where they lie
+(shared/worker/kv_peer_transport.py): decode reads them from its map of the arena, its engine imports from
+there, and `done` goes when the last view of the region is gone. A pull that cannot map the region pulls the
+same items over NATS, served from the same region.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import zlib
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Union
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.schemas.kv_peer import KvPeerDone, KvPeerPull, KvPeerReply
+from shared.worker.kv_peer_transport import Region, ShmExporter, ShmImporter, checked, sums
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,10 @@ if (_fast := _xxh3()) is not None:
 PREFERRED = "xxh3" if "xxh3" in CHECKSUMS else "crc32"
 
 
-def checksum(item: bytes, kind: str = "crc32") -> int:
+Item = Union[bytes, memoryview]  # a view: of prefill's peer arena (the region), or of decode's map of it
+
+
+def checksum(item: Item, kind: str = "crc32") -> int:
     return CHECKSUMS[kind](item)
 
 
@@ -65,10 +75,12 @@ class Handover:
     """One request's prompt KV, held for its decode worker."""
 
     keys: list[bytes]  # the prompt's full-block hashes: a pull must name the same
-    items: list[bytes] = field(default_factory=list)
+    items: list[Item] = field(default_factory=list)
     blocks: int = 0
     tail: bool = False
     state_parts: int = 0
+    region: Region | None = None  # the items lie in prefill's peer arena (views of it): pulls get a descriptor
+    sums: dict[str, list[int]] = field(default_factory=dict)  # the region's item checksums, by kind, once
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # items filled in
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
@@ -77,8 +89,9 @@ class Handover:
 class Handovers:
     """A prefill worker's hand-overs in flight, by request id, each ended by done, its lease or a cancel."""
 
-    def __init__(self, lease_s: float = LEASE_S) -> None:
+    def __init__(self, lease_s: float = LEASE_S, exporter: ShmExporter | None = None) -> None:
         self.lease_s = lease_s
+        self.exporter = exporter  # the peer arena, where hand-overs are held on this host (None: bytes only)
         self._open: dict[str, Handover] = {}
         self.counts: Counter[str] = Counter()  # blocks served, and how hand-overs ended, for health
 
@@ -105,13 +118,25 @@ class Handovers:
         handover.blocks, handover.tail, handover.state_parts = len(blocks), bool(tail), len(parts)
         handover.ready.set()
 
+    def fill_region(self, request_id: str, region: Region, blocks: int, tail: bool) -> bool:
+        """The exported KV in a region of the peer arena (its items: `blocks` full blocks, the partial block if
+        `tail`, then the state's parts). False: ended already (the region's views go with `region`)."""
+        handover = self._open.get(request_id)
+        if handover is None:
+            return False
+        handover.items, handover.region = list(region.items), region
+        handover.blocks, handover.tail = blocks, tail
+        handover.state_parts = len(region.items) - blocks - tail
+        handover.ready.set()
+        return True
+
     def end(self, request_id: str, why: str) -> None:
         handover = self._open.pop(request_id, None)
         if handover is None:
             return
         if handover.timer is not None:
             handover.timer.cancel()
-        handover.items = []  # the bytes go now, whoever still holds the object
+        handover.items, handover.region = [], None  # the bytes go now, whoever still holds the object
         handover.ready.set()  # a pull waiting for the export answers "not found"
         handover.ended.set()
         self.counts[f"ended_{why}"] += 1
@@ -129,16 +154,30 @@ class Handovers:
         if list(pull.keys) != expected or pull.start > len(handover.items):
             self.counts["refused"] += 1
             return KvPeerReply(found=False)
+        kind = pull.checksum if pull.checksum in CHECKSUMS else "crc32"
+        if handover.region is not None and self.exporter is not None and "shm" in pull.via:
+            return await self._describe(handover, pull.start, kind)
         items = pick(handover.items, pull.start, pull.max_bytes, pull.count)
         self.counts["blocks_served"] += max(0, min(pull.start + len(items), handover.blocks) - pull.start)
-        kind = pull.checksum if pull.checksum in CHECKSUMS else "crc32"
         return KvPeerReply(True, items, [checksum(i, kind) for i in items], handover.blocks, handover.tail,
                            handover.state_parts, kind)
 
+    async def _describe(self, handover: Handover, start: int, kind: str) -> KvPeerReply:
+        """Where items [start, ...) lie, with every item's checksum (taken once per kind, off the loop when big)."""
+        assert handover.region is not None and self.exporter is not None
+        region = handover.region
+        if kind not in handover.sums:
+            handover.sums[kind] = await sums(region.items, CHECKSUMS[kind])
+        if handover.region is not region:
+            return KvPeerReply(found=False)  # ended while its checksums were taken
+        self.counts["blocks_served_shm"] += max(0, handover.blocks - start)
+        return KvPeerReply(True, [], handover.sums[kind][start:], handover.blocks, handover.tail,
+                           handover.state_parts, kind, self.exporter.describe(region, start))
 
-def pick(items: Sequence[bytes], start: int, max_bytes: int, count: int = 0) -> list[bytes]:
+
+def pick(items: Sequence[Item], start: int, max_bytes: int, count: int = 0) -> list[Item]:
     """items[start:], as many as fit max_bytes (the first always), at most `count` (0: no bound)."""
-    out: list[bytes] = []
+    out: list[Item] = []
     size = 0
     for item in items[start:]:
         if out and (size + len(item) > max_bytes or len(out) == count):
@@ -154,18 +193,23 @@ def pick(items: Sequence[bytes], start: int, max_bytes: int, count: int = 0) -> 
 @dataclass(frozen=True)
 class Pulled:
     """What a pull got: the leading run of full blocks from `start` (checked), and the snapshot at the prompt's
-    end (partial block, model state) when every item arrived; None otherwise (the store's, or recompute)."""
+    end (partial block, model state) when every item arrived; None otherwise (the store's, or recompute).
+    `held`: the blocks (and partial block) are views of prefill's peer arena, under a read lock: the engine
+    imports from them, and the peer hears `done` once the last of them is gone."""
 
-    blocks: list[bytes]
-    snapshot: tuple[bytes, bytes] | None
+    blocks: list[Item]
+    snapshot: tuple[Item, bytes] | None
+    held: bool = False
 
 
 class PeerPuller:
     """A decode worker's pulls from prefill workers, over its KV connection: at most `window` messages of
-    `message_bytes` in flight in all."""
+    `message_bytes` in flight in all. `via`: the transports it can read a hand-over through on this host
+    (shared/worker/kv_peer_transport.py), best first; empty: the bytes always come in the replies."""
 
     def __init__(self, bus: Bus, block_bytes: int, *, message_bytes: int, window: int = 2,
-                 first_timeout: float = FIRST_PULL_TIMEOUT_S, timeout: float = PULL_TIMEOUT_S) -> None:
+                 first_timeout: float = FIRST_PULL_TIMEOUT_S, timeout: float = PULL_TIMEOUT_S,
+                 via: Sequence[str] = ()) -> None:
         self._bus = bus
         self._block_bytes = block_bytes
         self._message_bytes = message_bytes
@@ -175,33 +219,53 @@ class PeerPuller:
         self._slots = asyncio.Semaphore(self._window)
         self._first_timeout = first_timeout
         self._timeout = timeout
-        self.counts: Counter[str] = Counter()  # peer_blocks, peer_failed, peer_corrupt: for health
+        self.via = list(via)
+        self._importer = ShmImporter() if "shm" in self.via else None
+        # peer_blocks (peer_blocks_shm of them through shared memory), peer_failed, peer_corrupt, shm_refused
+        # (a descriptor this worker could not map: pulled over NATS), shm_released: for health
+        self.counts: Counter[str] = Counter()
 
     async def pull(self, worker: str, request_id: str, keys: Sequence[bytes], start: int,
                    stop: Callable[[], bool] = lambda: False) -> Pulled:
         """Blocks keys[start:] and the snapshot from `worker`'s hand-over of `request_id`; `stop()` true (a
-        cancel) ends it between messages. Always tells the peer it is over, so it lets go at once."""
+        cancel) ends it between messages. Always tells the peer it is over, so it lets go at once: now, or, for
+        blocks read from its arena, once the engine has let go of them."""
+        held = False
         try:
-            return await self._pull(worker, request_id, keys, start, stop)
+            pulled = await self._pull(worker, request_id, keys, start, stop)
+            held = pulled.held
+            return pulled
         finally:
-            try:
-                await self._bus.publish(subjects.kv_peer_done(worker), KvPeerDone(request_id))
-            except Exception as exc:  # the lease ends it anyway
-                log.debug("%s: peer done not sent: %s", request_id, exc)
+            if not held:
+                await self._done(worker, request_id)
+
+    async def _done(self, worker: str, request_id: str) -> None:
+        try:
+            await self._bus.publish(subjects.kv_peer_done(worker), KvPeerDone(request_id))
+        except Exception as exc:  # the lease ends it anyway
+            log.debug("%s: peer done not sent: %s", request_id, exc)
 
     async def _pull(self, worker: str, request_id: str, keys: Sequence[bytes], start: int,
                     stop: Callable[[], bool]) -> Pulled:
-        # one item first, outside the window: it waits for prefill's export, and says how much there is
-        first = await self._ask(worker, request_id, keys, start, 1, self._first_timeout, slot=False)
+        # one item first, outside the window: it waits for prefill's export, and says how much there is; where
+        # this worker may read the peer's arena, the whole rest is asked for: a descriptor answers, or one item
+        first = await self._ask(worker, request_id, keys, start, 0 if self.via else 1, self._first_timeout,
+                                slot=False, via=self.via)
         if first is None:
             self.counts["peer_failed"] += 1
             return Pulled([], None)
+        if first.shm is not None:
+            read = await self._read_shm(worker, request_id, first, start)
+            if read is not None:
+                return read
+            first = KvPeerReply(True, [], [], first.blocks, first.tail, first.state_parts, first.checksum)
         blocks = first.blocks
         total = blocks + first.tail + first.state_parts
         got = list(first.items)
         while start + len(got) < total and not stop():
             at = start + len(got)
-            per = max(1, self._message_bytes // max(1, len(first.items[0])))
+            size = len(first.items[0]) if first.items else self._block_bytes
+            per = max(1, self._message_bytes // max(1, size))
             asks = [(s, min(per, total - s)) for s in range(at, total, per)]
             short = False
             async for reply, (_, n) in self._ordered(worker, request_id, keys, asks):
@@ -221,6 +285,46 @@ class PeerPuller:
         rest = got[blocks - start :]
         tail = rest[0] if first.tail else b""
         return Pulled(run, (tail, b"".join(rest[1 if first.tail else 0 :])))
+
+    async def _read_shm(self, worker: str, request_id: str, reply: KvPeerReply, start: int) -> Pulled | None:
+        """The hand-over read where the descriptor says, every item checked first; None: not readable here
+        (pull over NATS); a failed pull (the store takes over) when an item is not what its checksum says."""
+        assert reply.shm is not None and self._importer is not None
+        lengths = reply.shm.lengths
+        sized = max(0, reply.blocks + reply.tail - start)  # items [0, sized) are blocks, full-size each
+        whole = reply.blocks + reply.tail + reply.state_parts - start
+        if (len(lengths) != whole or len(reply.checksums) != len(lengths) or reply.checksum not in CHECKSUMS
+                or any(n != self._block_bytes for n in lengths[:sized])):
+            self.counts["peer_corrupt"] += 1
+            return Pulled([], None)
+        if not lengths:
+            return Pulled([], (b"", b""))  # decode's own cache holds every block, and there is nothing else
+        loop = asyncio.get_running_loop()
+        views = self._importer.read(reply, lambda: self._released(loop, worker, request_id))
+        if views is None:
+            self.counts["shm_refused"] += 1
+            log.info("%s: cannot read peer %s's arena here: over NATS", request_id, worker)
+            return None
+        if not await checked(views, reply.checksums, CHECKSUMS[reply.checksum]):
+            log.warning("%s: a corrupt item in peer %s's arena: the store takes over", request_id, worker)
+            self.counts["peer_corrupt"] += 1
+            self.counts["peer_failed"] += 1
+            return Pulled([], None)  # the views go with this frame: the lock, then `done`
+        run = views[: max(0, reply.blocks - start)]
+        rest = views[len(run) :]
+        tail: Item = rest[0] if reply.tail else b""
+        state = b"".join(rest[1 if reply.tail else 0 :])  # a copy: the engine takes the state as bytes
+        self.counts["peer_blocks"] += len(run)
+        self.counts["peer_blocks_shm"] += len(run)
+        return Pulled(run, (tail, state), held=bool(run) or bool(reply.tail))
+
+    def _released(self, loop: asyncio.AbstractEventLoop, worker: str, request_id: str) -> None:
+        """The last view of a hand-over's region is gone (on any thread): tell the peer."""
+        self.counts["shm_released"] += 1
+        try:
+            asyncio.run_coroutine_threadsafe(self._done(worker, request_id), loop)
+        except RuntimeError:  # the loop is closed (shutting down): the lease ends it
+            pass
 
     async def _ordered(self, worker: str, request_id: str, keys: Sequence[bytes], asks: list[tuple[int, int]]
                        ) -> AsyncIterator[tuple[KvPeerReply | None, tuple[int, int]]]:
@@ -243,11 +347,11 @@ class PeerPuller:
                 task.cancel()
 
     async def _ask(self, worker: str, request_id: str, keys: Sequence[bytes], start: int, count: int,
-                   timeout: float, *, slot: bool) -> KvPeerReply | None:
-        """One pull (with `slot`: inside the worker's window); None when the peer is gone, has no such hand-over,
-        or sent an item that fails its check."""
-        pull = KvPeerPull(request_id, start, list(keys[start : start + count]), self._message_bytes, count,
-                          PREFERRED)
+                   timeout: float, *, slot: bool, via: Sequence[str] = ()) -> KvPeerReply | None:
+        """One pull of `count` items (0: all that fit; with `slot`: inside the worker's window); None when the
+        peer is gone, has no such hand-over, or sent an item that fails its check."""
+        named = keys[start : start + count] if count else keys[start:]
+        pull = KvPeerPull(request_id, start, list(named), self._message_bytes, count, PREFERRED, list(via))
         try:
             if slot:
                 async with self._slots:
@@ -268,6 +372,8 @@ class PeerPuller:
     def intact(self, reply: KvPeerReply, start: int) -> bool:
         """Every item has its checksum, blocks (and the partial block) their size, and the reply is not empty
         but at the end."""
+        if reply.shm is not None:  # a descriptor: its items are checked where they lie (_read_shm)
+            return True
         if len(reply.items) != len(reply.checksums) or reply.checksum not in CHECKSUMS:
             return False
         if not reply.items:  # whole only where nothing is left (decode's own cache holds every block)

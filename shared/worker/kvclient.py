@@ -35,7 +35,7 @@ from typing import TypeVar, Union
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
-from shared.kv_arena import Arena, arena_path, remove_stale
+from shared.kv_arena import ARENA_MIB, Arena, arena_path, remove_stale
 from shared.schemas.kv import (
     KvGet,
     KvGetReply,
@@ -82,7 +82,7 @@ TRANSPORTS: dict[str, Callable[[str, int, int], Arena | None]] = {"nats": _no_ar
 
 
 def open_client(bus: Bus, transport: str, instance: str, *, message_bytes: int = 4 * MiB,
-                window_bytes: int = 8 * MiB, arena_bytes: int = 128 * MiB) -> KvClient:
+                window_bytes: int = 8 * MiB, arena_bytes: int = ARENA_MIB * MiB) -> KvClient:
     """A worker's client, its bytes over `transport` (a key of TRANSPORTS). arena_bytes: the shared memory a
     worker may fill (tmpfs pages, resident once touched): a run up to about this size imports with one copy."""
     message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
@@ -245,7 +245,8 @@ class KvClient:
             for offset in offsets:
                 arena.give(offset)  # nothing was sent: the store never saw these slots
             raise
-        sent = [self._put_slot(arena, offset, keys[lo:hi], block_bytes, ttl_s) for (lo, hi), offset in zip(todo, offsets)]
+        sent = [self._put_slot(arena, offset, keys[lo:hi], [block_bytes] * (hi - lo), ttl_s)
+                for (lo, hi), offset in zip(todo, offsets)]
         results = await asyncio.gather(*sent)
         lost = [(lo, hi) for (lo, hi), n in zip(todo, results) if n is None]
         stored = sum(n for n in results if n is not None)
@@ -253,10 +254,11 @@ class KvClient:
             stored += await self._put_window(lost, keys, export, block_bytes, ttl_s)
         return stored
 
-    async def _put_slot(self, arena: Arena, offset: int, keys: Sequence[bytes], block_bytes: int, ttl_s: float
+    async def _put_slot(self, arena: Arena, offset: int, keys: Sequence[bytes], lengths: list[int], ttl_s: float
                         ) -> int | None:
-        """How many of the blocks in the slot the store stored (0 when it did not answer); None: not mapped."""
-        lengths = [block_bytes] * len(keys)
+        """Have the store take the blobs (of `lengths`) lying in the slot at `offset`: how many it stored (0 when
+        it did not answer: the slot is retired until its deadline); None: it cannot map the arena. The slot is
+        settled either way."""
         deadline = time.monotonic() + self._timeout
         request = KvPutShm(list(keys), lengths, str(arena.path), arena.token, offset, ttl_s, deadline)
         reply = await self._shm_request(arena, offset, deadline, subjects.KV_PUT_SHM, request)
@@ -373,17 +375,7 @@ class KvClient:
     async def _put_shm(self, arena: Arena, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> int | None:
         if sum(map(len, blobs)) > arena.slot_bytes or (offset := arena.take()) is None:
             return None
-        lengths = arena.write(offset, blobs)
-        deadline = time.monotonic() + self._timeout
-        request = KvPutShm(keys, lengths, str(arena.path), arena.token, offset, ttl_s, deadline)
-        reply = await self._shm_request(arena, offset, deadline, subjects.KV_PUT_SHM, request)
-        if reply is None:
-            return 0
-        arena.give(offset)
-        if not reply.mapped:
-            return None
-        self.counts["blocks_via_shm"] += len(keys)
-        return sum(reply.stored)
+        return await self._put_slot(arena, offset, keys, arena.write(offset, blobs), ttl_s)
 
     async def _shm_request(self, arena: Arena, offset: int, deadline: float, subject: str, request: object
                            ) -> KvShmReply | None:

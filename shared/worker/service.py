@@ -32,7 +32,7 @@ from shared.engine.engine import Engine
 from shared.kv_events import EventPublisher
 from shared.worker.config import WorkerConfig
 from shared.worker.kv_transfer import KvTransfer
-from shared.worker.kvclient import KvClient, open_client
+from shared.worker.kvclient import MiB, KvClient, open_client
 from shared.models import resolve
 from shared.schemas.events import TIER_LOCAL
 from shared.schemas.generate import Cancel, TokenEvent
@@ -76,7 +76,8 @@ class EngineWorker(ABC):
         # KV blocks ride their own connection: a burst of megabytes to the store never delays a heartbeat (the
         # balancer drops a worker silent for 3 s), a token or a work message's ack on `bus`.
         self._kv_bus = await bus.sibling("kv")
-        self.kv = open_client(self._kv_bus, self.worker.kv_transport, self.config.instance)
+        self.kv = open_client(self._kv_bus, self.worker.kv_transport, self.config.instance,
+                              arena_bytes=self.worker.kv_arena_mib * MiB)
         self._tasks.append(asyncio.create_task(self._load_then_serve()))
 
     def health(self) -> tuple[bool, str]:

@@ -1,5 +1,6 @@
 """The hand-over protocol over a real nats-server: decode's puller against prefill's hand-overs, whole, from a
-peer that is gone, from one that sends a corrupt item, and cut short by a cancel."""
+peer that is gone, from one that sends a corrupt item, and cut short by a cancel; and on one host through
+prefill's peer arena (a descriptor over NATS), with its fallback and the region's end of life."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.worker.kv_peer import Handovers, PeerPuller
 from shared.schemas.kv_peer import KvPeerDone, KvPeerPull, KvPeerReply
+from shared.worker.kv_peer_transport import ShmExporter
 from tests.integration.buses import connect, until
 
 BLOCK = 737_280  # SmolLM2's float32 block
@@ -110,3 +112,129 @@ async def test_a_cancel_stops_the_pull_between_messages(nats_url: str) -> None:
     finally:
         await prefill.drain()
         await decode.drain()
+
+
+# --- the same-host path: the items in prefill's peer arena, NATS carrying a descriptor (kv_peer_transport.py) ---
+
+
+def shm_handovers(lease_s: float = 15.0) -> Handovers:
+    return Handovers(lease_s, ShmExporter.open(f"test-peer-{os.getpid()}", 64 * MiB))
+
+
+def fill_shm(handovers: Handovers, rid: str, keys: list[bytes], data: list[bytes], tail: bytes, state: bytes) -> None:
+    exporter = handovers.exporter
+    assert exporter is not None
+    parts = [state[at : at + MiB] for at in range(0, len(state), MiB)]
+    items = [*data, *([tail] if tail else []), *parts]
+    taken = exporter.take([len(i) for i in items])
+    assert taken is not None
+    offset, out = taken
+    out[:] = b"".join(items)
+    handovers.open(rid, keys)
+    assert handovers.fill_region(rid, exporter.lend(offset, [len(i) for i in items]), len(data), bool(tail))
+
+
+async def test_a_pull_through_shared_memory_reads_the_same_bytes_and_frees_the_region_after(nats_url: str) -> None:
+    """Decode reads the items where prefill exported them (a descriptor over NATS, no bytes), identical; the
+    hand-over stays until decode's views are gone (the engine imported them), then `done` ends it and the region
+    is free again."""
+    prefill, decode = await connect(nats_url, "prefill-s"), await connect(nats_url, "decode-s")
+    handovers = shm_handovers()
+    exporter = handovers.exporter
+    assert exporter is not None
+    all_free = exporter.free_bytes
+    try:
+        await serving(prefill, "p3", handovers)
+        keys, data, tail, state = exported(40, 3 * MiB)
+        fill_shm(handovers, "r5", keys, data, tail, state)
+        puller = PeerPuller(decode, BLOCK, message_bytes=4 * MiB, via=["shm"])
+        pulled = await puller.pull("p3", "r5", keys, 3)
+        assert pulled.held and [bytes(b) for b in pulled.blocks] == data[3:]
+        assert pulled.snapshot is not None and bytes(pulled.snapshot[0]) == tail and pulled.snapshot[1] == state
+        assert puller.counts["peer_blocks_shm"] == puller.counts["peer_blocks"] == 37
+        assert handovers.counts["blocks_served_shm"] == 37 and handovers.counts["blocks_served"] == 0
+        await decode._nc.flush()  # noqa: SLF001 - a done, had one been sent, is at the server now
+        await prefill._nc.flush()  # noqa: SLF001
+        assert len(handovers) == 1  # decode still reads it: no done yet
+        del pulled
+        await until(lambda: len(handovers) == 0, 10, "the done after the views went")
+        assert handovers.counts["ended_done"] == 1 and exporter.free_bytes == all_free and exporter.held == 0
+        fill_shm(handovers, "r5b", keys, data, b"", b"")  # block-aligned, and decode holds every block itself
+        held_here = await puller.pull("p3", "r5b", keys, len(keys))
+        assert held_here.blocks == [] and held_here.snapshot == (b"", b"") and not held_here.held
+        assert puller.counts["shm_refused"] == 0
+        await until(lambda: len(handovers) == 0, 10, "the done message")
+    finally:
+        await prefill.drain()
+        await decode.drain()
+        exporter.close()
+
+
+async def test_a_region_decode_cannot_map_is_pulled_over_nats_from_the_same_bytes(nats_url: str) -> None:
+    """Another host (here: a descriptor naming an arena this side has no such file of): the same pull goes on
+    over NATS, served from the region, and nothing is refused or lost."""
+
+    class Elsewhere(ShmExporter):
+        def describe(self, region, start):  # type: ignore[no-untyped-def]
+            real = super().describe(region, start)
+            return type(real)(real.arena + "-on-another-host", real.token, real.offset, real.lengths)
+
+    prefill, decode = await connect(nats_url, "prefill-e"), await connect(nats_url, "decode-e")
+    handovers = Handovers(exporter=Elsewhere.open(f"test-else-{os.getpid()}", 64 * MiB))
+    try:
+        await serving(prefill, "p4", handovers)
+        keys, data, tail, _ = exported(12, 0)
+        fill_shm(handovers, "r6", keys, data, tail, b"")
+        puller = PeerPuller(decode, BLOCK, message_bytes=4 * MiB, via=["shm"])
+        pulled = await puller.pull("p4", "r6", keys, 0)
+        assert not pulled.held and pulled.blocks == data and pulled.snapshot == (tail, b"")
+        assert puller.counts["shm_refused"] == 1 and puller.counts["peer_blocks_shm"] == 0
+        assert handovers.counts["blocks_served"] == 12
+        await until(lambda: len(handovers) == 0, 10, "the done message")
+    finally:
+        await prefill.drain()
+        await decode.drain()
+        assert handovers.exporter is not None
+        handovers.exporter.close()
+
+
+async def test_a_cancel_or_a_lease_end_frees_the_region_once_no_reader_holds_it(nats_url: str) -> None:
+    """Cancelled or expired before any pull: the region is free at once (a later pull finds nothing and goes to
+    the store). Cancelled or expired while decode reads it: free once decode's views are gone, never before."""
+    prefill, decode = await connect(nats_url, "prefill-l"), await connect(nats_url, "decode-l")
+    handovers = shm_handovers(lease_s=0.5)
+    exporter = handovers.exporter
+    assert exporter is not None
+    all_free = exporter.free_bytes
+    try:
+        await serving(prefill, "p5", handovers)
+        puller = PeerPuller(decode, BLOCK, message_bytes=4 * MiB, via=["shm"], first_timeout=2, timeout=2)
+        keys, data, tail, _ = exported(8, 0)
+        fill_shm(handovers, "cancelled", keys, data, tail, b"")
+        handovers.end("cancelled", "cancelled")
+        assert exporter.free_bytes == all_free
+        gone = await puller.pull("p5", "cancelled", keys, 0)
+        assert gone.blocks == [] and gone.snapshot is None and puller.counts["peer_failed"] == 1
+        fill_shm(handovers, "expired", keys, data, tail, b"")
+        await until(lambda: handovers.counts["ended_expired"] == 1, 10, "the lease")
+        assert exporter.free_bytes == all_free
+
+        for why in ("cancelled", "expired"):
+            rid = f"read-then-{why}"
+            fill_shm(handovers, rid, keys, data, tail, b"")
+            pulled = await puller.pull("p5", rid, keys, 0)
+            assert pulled.held and [bytes(b) for b in pulled.blocks] == data
+            if why == "cancelled":
+                handovers.end(rid, "cancelled")
+            else:
+                await until(lambda: handovers.counts["ended_expired"] == 2, 10, "the lease")
+            assert len(handovers) == 0 and exporter.free_bytes < all_free  # decode's read lock keeps it
+            fill_shm(handovers, "next", keys, data, tail, b"")  # a next hand-over takes another region
+            handovers.end("next", "done")
+            assert [bytes(b) for b in pulled.blocks] == data  # what decode reads was never written over
+            del pulled
+            assert exporter.free_bytes == all_free
+    finally:
+        await prefill.drain()
+        await decode.drain()
+        exporter.close()

@@ -51,6 +51,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterat
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
         "OTEL_BSP_SCHEDULE_DELAY": "200",
+        # the peer hand-over's bytes over NATS here (test_mesh_faults runs them through shared memory)
+        "DEEPINFER_KV_PEER_TRANSPORT": "nats",
     }
     mesh = start_mesh(state, env=trace_env)
     yield mesh
@@ -193,6 +195,8 @@ def _reports(mesh: Mesh) -> dict[str, int]:
         # prefix cache (a preamble an earlier request left there)
         "blocks_got": decode.get("blocks_got", 0) + decode_handover.get("peer_blocks", 0)
         + decode_handover.get("local_blocks", 0),
+        "peer_blocks": decode_handover.get("peer_blocks", 0),
+        "peer_blocks_shm": decode_handover.get("peer_blocks_shm", 0),
         "gets_failed": prefill.get("gets_failed", 0) + decode.get("gets_failed", 0),
         "recomputing": (logs / "decode-0.log").read_text().count("recomputing"),
         "workers_lost": balancer.get("workers_lost", 0),
@@ -218,6 +222,7 @@ def test_a_prompt_of_thousands_of_tokens_crosses_the_store_whole(oai: openai.Ope
     # prefill stored the prompt's full blocks (but a few of the preamble that earlier prompts stored already)...
     assert delta["blocks_put"] >= prompt // 16 - 4, delta
     assert delta["blocks_got"] >= prompt // 16, delta  # ...and decode had every one of them (cache, peer, store)
+    assert delta["peer_blocks"] > 0 and after["peer_blocks_shm"] == 0, delta  # the peer's, over NATS here
     assert delta["puts_failed"] == delta["gets_failed"] == 0, delta
     assert delta["recomputing"] == 0, delta
     assert delta["workers_lost"] == delta["left_the_pool"] == 0, delta

@@ -36,8 +36,9 @@ STORY = " ".join(f"Line {i}: the lighthouse keeper counted {i} ships." for i in 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    # KV bytes through shared memory here (the e2e module runs them over NATS): a store killed mid-transfer must
-    # cost the shm path nothing but misses either
+    # KV bytes through shared memory here, to the store and on the peer hand-over (--kv-peer-transport auto, the
+    # default; the e2e module runs both over NATS): a store or a prefill worker killed mid-transfer must cost the
+    # shm paths nothing but misses either
     mesh = start_mesh(tmp_path_factory.mktemp("faults"), env={"DEEPINFER_KV_TRANSPORT": "shm"})
     yield mesh
     mesh.stop()
@@ -81,7 +82,9 @@ def _handover(mesh: Mesh, role: str) -> dict[str, int]:
 
 def test_a_conversation_hands_its_prompt_kv_from_prefill_to_decode_directly(mesh: Mesh) -> None:
     """Two turns: each turn's decode pulls the prompt's blocks it lacks from the prefill worker (not the store),
-    every hand-over ends by decode's done (none left to its lease), and the store still gets every block."""
+    through prefill's peer arena (one host: a descriptor over NATS, the engine imports from the mapped region),
+    every hand-over ends by decode's done (sent once its engine let go of the region; none left to its lease),
+    every region is free again, and the store still gets every block."""
     before = {role: _handover(mesh, role) for role in ("prefill", "decode")}
     stored_before = asyncio.run(_kv_counts(mesh.nats_url, "prefill")).get("blocks_put", 0)
     client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="k", max_retries=0, timeout=120)
@@ -98,9 +101,10 @@ def test_a_conversation_hands_its_prompt_kv_from_prefill_to_decode_directly(mesh
     # every prompt block came from decode's own cache (the first turn's, in the second) or from the peer
     assert decode["peer_blocks"] > 0 and decode["peer_blocks"] + decode["local_blocks"] >= prompt_blocks, delta
     assert decode.get("store_blocks", 0) == decode.get("peer_failed", 0) == decode.get("peer_corrupt", 0) == 0
-    assert prefill["blocks_served"] == decode["peer_blocks"], delta
+    assert decode["peer_blocks_shm"] == decode["peer_blocks"] and decode.get("shm_refused", 0) == 0, delta
+    assert prefill["blocks_served_shm"] == decode["peer_blocks"] and prefill.get("blocks_served", 0) == 0, delta
     assert prefill["ended_done"] == 2 and prefill.get("ended_expired", 0) == 0, delta
-    assert after["prefill"]["leases"] == 0
+    assert after["prefill"]["leases"] == 0 and after["prefill"]["shm_regions_held"] == 0, after
     stored = asyncio.run(_kv_counts(mesh.nats_url, "prefill")).get("blocks_put", 0) - stored_before
     assert stored > 0  # the store still gets the blocks, for later turns elsewhere
     assert "recomputing" not in (mesh.state_dir / "logs" / "decode-0.log").read_text()
@@ -170,7 +174,8 @@ def test_a_storm_of_hang_ups_frees_every_block_and_redelivers_nothing(mesh: Mesh
         while True:
             reports = {role: await _worker_health(mesh.nats_url, role) for role in logs}
             if all(r["active"] == 0 and r["free_blocks"] == r["total_blocks"] and r["held"] == 0
-                   and r["handover"].get("leases", 0) == 0 for r in reports.values()):
+                   and r["handover"].get("leases", 0) == 0 and r["handover"].get("shm_regions_held", 0) == 0
+                   for r in reports.values()):
                 return reports
             if time.monotonic() > deadline:
                 return reports
@@ -190,6 +195,7 @@ def test_a_storm_of_hang_ups_frees_every_block_and_redelivers_nothing(mesh: Mesh
     # the hang-ups after the first token cancelled their hand-overs (or decode finished its pull): none is left
     # to its lease
     assert reports["prefill"]["handover"]["leases"] == 0, reports["prefill"]
+    assert reports["prefill"]["handover"]["shm_regions_held"] == 0, reports["prefill"]  # every region free again
     assert reports["prefill"]["handover"].get("ended_expired", 0) == expired, reports["prefill"]
     time.sleep(2.0)  # a cancel that raised would nak with a 1 s delay: give it the time to show
     for role, path in logs.items():

@@ -6,11 +6,13 @@ the hand-over leaves nothing held anywhere."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from services.prefill.service import PrefillService
@@ -23,6 +25,8 @@ from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJ
 from shared.schemas.kv import KvLookupReply
 from shared.schemas.kv_peer import KvPeerPull
 from shared.worker.config import WorkerConfig
+from shared.worker.kv_peer import PREFERRED
+from shared.worker.kv_peer_transport import ShmExporter
 from tests.unit.test_engine_tiny import checkpoint, loaded  # noqa: F401  (fixtures)
 from tests.unit.test_worker_cancel import ENV
 
@@ -51,6 +55,7 @@ class FakeKv:
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
         self.keys: list[bytes] = []
+        self.blobs: dict[bytes, bytes] = {}
 
     async def lookup_run(self, hashes: list[bytes], lease_s: float = 0.0) -> KvLookupReply:
         return KvLookupReply(hits=0)
@@ -67,6 +72,7 @@ class FakeKv:
             await self.gate.wait()
         self.bus.sent.append(("put", len(items)))
         self.keys += [key for key, _ in items]
+        self.blobs.update((key, bytes(blob)) for key, blob in items)
         return True
 
     async def put_run(self, keys: list[bytes], export: Callable[[list[tuple[int, int, memoryview]]], Awaitable[None]],
@@ -147,9 +153,11 @@ async def test_the_store_path_hands_the_job_on_after_the_store(checkpoint: Path,
     await svc.engine.stop()
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["bytes", "region"])
 async def test_a_cancel_during_the_hand_over_leaves_nothing_held(checkpoint: Path,  # noqa: F811
-                                                                 loaded: LoadedModel) -> None:  # noqa: F811
+                                                                 loaded: LoadedModel, shm: bool) -> None:  # noqa: F811
     svc = prefill(checkpoint, loaded, "peer")
+    exporter = svc.handovers.exporter = ShmExporter.open(f"test-cancel-{os.getpid()}", 16 << 20) if shm else None
     kv: FakeKv = svc.kv  # type: ignore[assignment]
     kv.gate = asyncio.Event()
     task = asyncio.create_task(svc._on_job(job("r3"), ENV))
@@ -158,8 +166,38 @@ async def test_a_cancel_during_the_hand_over_leaves_nothing_held(checkpoint: Pat
     await svc._on_cancel(Cancel("r3", "client disconnected"), ENV)
     assert len(svc.handovers) == 0 and svc.handovers.counts["ended_cancelled"] == 1
     assert not (await svc.handovers.serve(KvPeerPull("r3", 0, [], 1 << 20))).found
+    if exporter is not None:
+        assert exporter.held == 1  # the store's put still reads the region's views
     kv.gate.set()
     await task  # settled, not failed into redelivery
     assert await held(svc) == 0 and svc.active == set()
+    if exporter is not None:
+        assert exporter.held == 0 and exporter.counts["regions"] == 1  # the put over: the region is free
+        exporter.close()
     assert svc.engine is not None
     await svc.engine.stop()
+
+
+async def test_on_one_host_the_hand_over_holds_a_region_not_bytes_and_the_store_gets_the_same(  # noqa: F811
+        checkpoint: Path, loaded: LoadedModel) -> None:  # noqa: F811
+    svc = prefill(checkpoint, loaded, "peer")
+    exporter = svc.handovers.exporter = ShmExporter.open(f"test-prefill-{os.getpid()}", 16 << 20)
+    all_free = exporter.free_bytes
+    try:
+        await svc._on_job(job("r4"), ENV)
+        handover = svc.handovers._open["r4"]  # noqa: SLF001
+        assert handover.region is not None and all(isinstance(i, memoryview) for i in handover.items)
+        hashes = decode_job(svc).block_hashes
+        described = await svc.handovers.serve(KvPeerPull("r4", 0, hashes, 1 << 30, 0, PREFERRED, ["shm"]))
+        assert described.shm is not None and described.items == [] and (described.blocks, described.tail) == (2, True)
+        plain = await svc.handovers.serve(KvPeerPull("r4", 0, hashes, 1 << 30))  # over NATS: the same region
+        kv: FakeKv = svc.kv  # type: ignore[assignment]
+        assert [bytes(i) for i in plain.items[:2]] == [kv.blobs[h] for h in hashes]  # the store's bytes, the same
+        assert await held(svc) == 0 and exporter.held == 1
+        del handover, plain
+        svc.handovers.end("r4", "done")
+        assert exporter.held == 0 and exporter.free_bytes == all_free
+    finally:
+        exporter.close()
+        assert svc.engine is not None
+        await svc.engine.stop()
