@@ -17,13 +17,22 @@ Services hold `Subscription` (this module's handle), never a nats object.
 
 Key-value buckets (JetStream KV) hold small typed records shared by every instance of a service and kept across
 restarts, each for the bucket's TTL: `key_value(bucket, Type, ttl_s=...)` gives a `KeyValueBucket[Type]`.
+
+The connection outlives its server: a lost server is retried forever with a growing, capped, jittered delay
+(`reconnect_delay`), over every server of a comma-separated URL list (a NATS cluster). Each change of state is
+one log line (lost, reconnected), never a traceback per attempt. On reconnect nats-py replays every core
+subscription; a work queue whose durable consumer is gone (a server that lost its store) binds a new one. What
+was in flight while the connection was down may be lost (core NATS keeps nothing for an absent subscriber), so
+a service that waits on a stream of messages registers `on_lost` and ends what it waits for, at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -31,6 +40,7 @@ from typing import Any, Generic, TypeVar
 import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.client import Server
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
@@ -51,6 +61,94 @@ MAX_KEY_LENGTH = 256
 ERROR_HEADER = "Bus-Error"  # on a reply: the responder failed on the request; the value says why
 KEEPALIVE_FAILURES = 3  # in_progress() failing this many times in a row ends the job (nak) before ack_wait does
 STREAM_NAME_IN_USE = 10058  # JetStream's error code when add_stream loses a creation race
+CONSUMER_NOT_FOUND = 10014  # JetStream's error code for a consumer the server does not know (any more)
+RECONNECT_FIRST_S = 0.1  # delay before the 2nd attempt at one server; doubles each failure up to RECONNECT_MAX_S
+RECONNECT_MAX_S = 2.0  # a restarted server is found within about this much of being back
+URL_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
+# errors that mean the connection itself broke (nats-py reconnects after them)
+CONNECTION_ERRORS = (nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError, OSError, asyncio.TimeoutError)
+
+
+def server_urls(url: str) -> list[str]:
+    """`--nats-url` as nats-py's server list: one URL, or several separated by commas (the members of a NATS
+    cluster; the client picks one and moves to another when it fails)."""
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    if not urls:
+        raise ValueError("--nats-url names no server")
+    for one in urls:
+        if not one.startswith(URL_SCHEMES):
+            raise ValueError(f"--nats-url must be nats:// URLs separated by commas, got {one!r}")
+    return urls
+
+
+def reconnect_delay(failures: int, jitter: float) -> float:
+    """Seconds to wait before trying a server that failed `failures` times in a row: none before the first retry,
+    then RECONNECT_FIRST_S doubling up to RECONNECT_MAX_S, each scaled by `jitter` in [0.5, 1] so a fleet of
+    clients does not knock on a restarted server all in the same instant."""
+    if failures <= 0:
+        return 0.0
+    return min(RECONNECT_FIRST_S * 2 ** (failures - 1), RECONNECT_MAX_S) * jitter
+
+
+def _next_server(servers: list[Server], _info: dict[str, Any]) -> tuple[Server | None, float]:
+    """nats-py's reconnect hook: the server that failed least recently-in-a-row, and the backoff before it."""
+    chosen = min(servers, key=lambda s: s.reconnects)
+    return chosen, reconnect_delay(chosen.reconnects, random.uniform(0.5, 1.0))
+
+
+class _Connection:
+    """The connection's state changes, each logged once, and the `on_lost` listeners. nats-py calls these from
+    its reading and reconnecting tasks."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.closing = False
+        self.lost_at: float | None = None  # monotonic time the connection went down; None while up
+        self.losses = 0
+        self.listeners: list[Callable[[], None]] = []
+        self._said_why = False
+        self._cause: Exception | None = None  # what broke the connection, said in the "lost" line
+
+    async def disconnected(self) -> None:
+        if self.closing or self.lost_at is not None:
+            return
+        self.lost_at, self._said_why = time.monotonic(), False
+        self.losses += 1
+        why = f" ({_say(self._cause)})" if self._cause is not None else ""
+        self._cause = None
+        log.warning("%s: lost the NATS connection%s; reconnecting", self.name, why)
+        for listener in list(self.listeners):
+            try:
+                listener()
+            except Exception:  # one broken listener must not keep the others from ending their requests
+                log.exception("%s: on_lost listener failed", self.name)
+
+    async def reconnected(self) -> None:
+        down = time.monotonic() - self.lost_at if self.lost_at is not None else 0.0
+        self.lost_at = None
+        log.warning("%s: reconnected to NATS after %.1f s", self.name, down)
+
+    async def error(self, exc: Exception) -> None:
+        # nats-py reports here what broke the connection, then every failed reconnect attempt (its default logs
+        # each with a traceback): the cause goes into the "lost" line, the first failed attempt is said once,
+        # the rest at debug. Other errors (a slow consumer, a permission) are logged as they come.
+        if self.closing:
+            return
+        if self.lost_at is None and isinstance(exc, CONNECTION_ERRORS):
+            self._cause = exc
+            log.debug("%s: NATS connection failing: %r", self.name, exc)
+        elif self.lost_at is not None and self._said_why:
+            log.debug("%s: NATS still unreachable: %r", self.name, exc)
+        elif self.lost_at is not None:
+            self._said_why = True
+            log.warning("%s: NATS unreachable (%s); retrying every %g s at most", self.name, _say(exc),
+                        RECONNECT_MAX_S)
+        else:
+            log.warning("%s: NATS: %s", self.name, _say(exc))
+
+
+def _say(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
 
 
 class Retry(Exception):
@@ -95,32 +193,42 @@ class Envelope:
 
 
 class Bus:
-    def __init__(self, nc: NatsClient, name: str) -> None:
+    def __init__(self, nc: NatsClient, name: str, connection: _Connection | None = None, url: str = "") -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._name = name
+        self._url = url
+        self._connection = connection or _Connection(name)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._closing = False
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 5.0) -> Bus:
+        """`url`: one server or a comma-separated list (`server_urls`). The first connection must succeed (a
+        service started with no server exits, and its supervisor retries); after that it is kept forever."""
+        connection = _Connection(name)
         nc = await nats.connect(
-            servers=[url],
+            servers=server_urls(url),
             name=name,
             connect_timeout=connect_timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
             allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_to_server_handler=_next_server,
+            disconnected_cb=connection.disconnected,
+            reconnected_cb=connection.reconnected,
+            error_cb=connection.error,
         )
-        return cls(nc, name)
+        return cls(nc, name, connection, url)
 
     async def sibling(self, role: str) -> Bus:
-        """A second connection to the same server, for traffic that must not queue with this one's: bulk KV bytes
+        """A second connection to the same servers, for traffic that must not queue with this one's: bulk KV bytes
         on their own socket, so heartbeats, tokens and work acks never wait behind megabytes in one write buffer
         (each NATS connection also has its own pending limit at the server). The caller drains it."""
-        url = self._nc.connected_url
-        assert url is not None, "sibling of a bus that is not connected"
-        return await Bus.connect(url.geturl(), f"{self._name}-{role}")
+        url = self._url
+        if not url:  # a bus built around a test's own client
+            connected = self._nc.connected_url
+            assert connected is not None, "sibling of a bus that is not connected"
+            url = connected.geturl()
+        return await Bus.connect(url, f"{self._name}-{role}")
 
     @property
     def name(self) -> str:
@@ -130,6 +238,16 @@ class Bus:
     @property
     def connected(self) -> bool:
         return self._nc.is_connected
+
+    @property
+    def losses(self) -> int:
+        """How many times the connection was lost so far."""
+        return self._connection.losses
+
+    def on_lost(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (synchronous, quick) each time the connection is lost, before any reconnect: whatever
+        waits on messages that may now never come should end now rather than time out."""
+        self._connection.listeners.append(listener)
 
     @property
     def max_payload(self) -> int:
@@ -261,8 +379,12 @@ class Bus:
             max_deliver=max_deliver,
             max_ack_pending=max(concurrency * 2, 16),
         )
-        psub = await self._js.pull_subscribe(subject, durable=durable, config=config)
-        queue = WorkQueue(self, psub, message_type, handler, concurrency, ack_wait)
+
+        async def bind() -> Any:
+            return await self._js.pull_subscribe(subject, durable=durable, config=config)
+
+        queue = WorkQueue(self, await bind(), message_type, handler, concurrency, ack_wait, rebind=bind,
+                          consumer=(subjects.WORK_STREAM, durable))
         queue.task = asyncio.create_task(queue.run())
         return queue
 
@@ -297,9 +419,9 @@ class Bus:
 
     async def drain(self) -> None:
         """Stop taking messages, let handlers in flight finish, flush, close."""
-        if self._closing:
+        if self._connection.closing:
             return
-        self._closing = True
+        self._connection.closing = True
         try:
             await self._nc.drain()
         except Exception as exc:  # already closed or disconnected: nothing left to drain
@@ -319,9 +441,15 @@ class WorkQueue:
         handler: Callable[[Any, Envelope], Awaitable[None]],
         concurrency: int,
         ack_wait: float,
+        rebind: Callable[[], Awaitable[Any]] | None = None,
+        consumer: tuple[str, str] | None = None,
     ) -> None:
         self._bus = bus
         self._psub = psub
+        self._rebind = rebind  # a new pull subscription on a consumer made again (the server lost the old one)
+        self._consumer = consumer  # (stream, durable) of that consumer
+        self._losses = bus.losses  # connection losses seen: after each, check the consumer is still there
+        self._failing = ""  # the fetch failure being reported (logged once until fetches work again)
         self._type = message_type
         self._handler = handler
         self._slots = asyncio.Semaphore(concurrency)
@@ -338,22 +466,74 @@ class WorkQueue:
                 await self._slots.acquire()
                 self._slots.release()
                 continue
+            if not self._bus.connected:  # reconnecting: a fetch now would only time out, or fail, again and again
+                await asyncio.sleep(0.1)
+                continue
+            if self._losses != self._bus.losses:
+                if not await self._check_consumer():
+                    await asyncio.sleep(0.2)
+                    continue
+                self._losses = self._bus.losses
             try:
                 msgs = await self._psub.fetch(batch=free, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                self._recovered()
                 continue  # nothing to do (a busy process may see the plain asyncio timeout instead)
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
                 return
             except Exception as exc:
                 if self._stopped:
                     return
-                log.warning("fetch failed: %r", exc)
-                await asyncio.sleep(0.5)
+                await self._fetch_failed(exc)
                 continue
+            self._recovered()
             for msg in msgs:
                 await self._slots.acquire()
                 self._running += 1
                 self._bus.spawn(self._handle(msg))
+
+    async def _fetch_failed(self, exc: Exception) -> None:
+        """A fetch that failed with the connection up: JetStream not ready yet (a server just restarted), or the
+        consumer gone (a server restarted without its store, or someone deleted it), which `_check_consumer`
+        tells apart."""
+        what = f"{type(exc).__name__}: {exc}"
+        if what != self._failing:
+            log.warning("fetch failed: %s", what)
+            self._failing = what
+        if not await self._check_consumer():
+            await asyncio.sleep(0.5)
+
+    async def _check_consumer(self) -> bool:
+        """After a reconnect or a failed fetch: bind a new consumer if the server no longer has ours. True once
+        the consumer is known to be there (or bound again), False if JetStream cannot tell yet."""
+        if self._consumer is None or self._rebind is None:
+            return True
+        stream, durable = self._consumer
+        try:
+            await self._bus._js.consumer_info(stream, durable)
+            return True
+        except NotFoundError:  # the stream or the consumer
+            pass
+        except Exception as exc:  # JetStream not answering yet
+            log.debug("consumer_info: %r", exc)
+            return False
+        try:
+            await self._bus.ensure_work_stream()
+            old, self._psub = self._psub, await self._rebind()
+        except Exception as exc:
+            log.debug("rebind failed: %r", exc)
+            return False
+        log.warning("bound the work queue to a new consumer %s", durable)
+        try:
+            await old.unsubscribe()
+        except Exception as exc:
+            log.debug("unsubscribe: %s", exc)
+        return True
+
+    def _recovered(self) -> None:
+        if self._failing:
+            log.warning("fetch works again")
+            self._failing = ""
 
     async def _handle(self, msg: Msg) -> None:
         work = asyncio.ensure_future(self._process(msg))
