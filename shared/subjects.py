@@ -45,6 +45,7 @@ KV_PUT_SHM = "kv.put.shm"  # KvPutShm -> KvShmReply: kv.put.batch, the bytes thr
 KV_DELETE = "kv.delete"
 KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
 BALANCER_STATS = "balancer.stats"  # BalancerStats -> BalancerStatsReply, for /metrics (the same way)
+LAUNCHER_STATS = "launcher.stats"  # LauncherStats -> LauncherStatsReply: what `deepinfer up` supervises, for /metrics
 
 
 def kv_snapshot(source: str) -> str:

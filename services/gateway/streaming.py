@@ -46,12 +46,19 @@ class Reorder:
         return ready
 
 
-class PumpAborted(Exception):
-    """The gateway ended the request itself (shutdown); `reason` goes into the Cancel message."""
+SHUTTING_DOWN = "the gateway is shutting down"
+BUS_LOST = ("the gateway lost its connection to the message bus while the request was in flight, so its answer "
+            "cannot arrive; try again")
 
-    def __init__(self, reason: str) -> None:
+
+class PumpAborted(Exception):
+    """The gateway ended the request itself (shutdown, a lost bus); `reason` goes into the Cancel message,
+    `message` to the client (a 503)."""
+
+    def __init__(self, reason: str, message: str = SHUTTING_DOWN) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.message = message
 
 
 class EventPump:
@@ -79,8 +86,10 @@ class EventPump:
         for ready in self._reorder.push(event):
             self._ready.put_nowait(ready)
 
-    def abort(self, reason: str) -> None:
-        self._aborted = PumpAborted(reason)
+    def abort(self, reason: str, message: str = SHUTTING_DOWN) -> None:
+        if self._aborted is not None:
+            return
+        self._aborted = PumpAborted(reason, message)
         self._ready.put_nowait(self._aborted)  # wakes a waiting `next`
 
     async def next(self, timeout: float) -> ApiEvent:
@@ -96,7 +105,9 @@ class EventPump:
 
 
 class Pumps:
-    """Every open pump of this gateway. `closing` makes new requests fail fast during shutdown."""
+    """Every open pump of this gateway. `closing` makes new requests fail fast during shutdown; `bus_lost` ends
+    every request in flight when the bus connection drops (events sent meanwhile are lost for good: core NATS
+    keeps nothing for an absent subscriber), at once rather than after the event timeout."""
 
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
@@ -121,3 +132,7 @@ class Pumps:
         self.closing = True
         for pump in self._open.values():
             pump.abort(reason)
+
+    def bus_lost(self) -> None:
+        for pump in self._open.values():
+            pump.abort("bus lost", BUS_LOST)

@@ -6,8 +6,9 @@
                                 --events.<rid>--> gateway;  --requests.cancel--> workers (stop string hit)
     anyone --requests.cancel--> on_cancel(): drop the request's state
 
-Per-request state (a Flight and its token subscription) ends on finish, on cancel, or after `ttl_s` without
-a token event (the client then gets a 504 and the workers a Cancel). A Responses request created with `store`
+Per-request state (a Flight and its token subscription) ends on finish, on cancel, after `ttl_s` without
+a token event (the client then gets a 504 and the workers a Cancel), or when the bus connection drops (tokens
+sent meanwhile are lost for good: a 503 and a Cancel, at once). A Responses request created with `store`
 is kept (responses_store.py) before its last event goes out, so the client can continue from it at once.
 Questions that generate nothing (tokenize, models, stored responses) are answered by `queries.Queries`.
 """
@@ -45,6 +46,7 @@ from shared.schemas.responses import StoredResponse
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0  # see _emit
+BUS_LOST = "the mesh lost its message bus connection while the request was in flight; try again"
 
 SEED_BITS = 63  # drawn seeds fit a signed int64 everywhere they travel
 
@@ -117,6 +119,7 @@ class RecipeService:
         bucket = await bus.key_value(subjects.RESPONSES_BUCKET, StoredResponse, ttl_s=self._response_ttl_s)
         self._responses = ResponseStore(bucket)
         self._cancel_sub = await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
+        bus.on_lost(self._on_bus_lost)
         self._prepare_sub = await bus.serve(
             subjects.RECIPE_PREPARE, PrepareRequest, self.prepare, queue=subjects.RECIPE_GROUP
         )
@@ -312,6 +315,25 @@ class RecipeService:
             return  # one worker letting go of a request that moved on: the request itself goes on
         if self._drop(cancel.request_id):
             log.info("%s cancelled: %s", cancel.request_id, cancel.reason)
+
+    def _on_bus_lost(self) -> None:
+        """No flight in progress can finish correctly now: end each (its error reaches a gateway that still waits,
+        its Cancel the workers, once reconnected), freeing its admission place at once rather than after ttl_s."""
+        if not self._flights:
+            return
+        log.warning("ending %d requests in flight: the bus connection was lost", len(self._flights))
+        for flight in list(self._flights.values()):
+            task = asyncio.create_task(self._end_lost(flight))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _end_lost(self, flight: Flight) -> None:
+        if self._flights.get(flight.request_id) is not flight:
+            return  # it ended meanwhile
+        try:
+            await self._emit(flight, flight.fail(503, BUS_LOST, "bus lost"))
+        except Exception as exc:  # the reconnect buffer is full or the connection closed: the state is gone anyway
+            log.debug("%s: could not send its end: %r", flight.request_id, exc)
 
     def _drop(self, rid: str) -> bool:
         """End a request's state. Unsubscribing runs as its own task: it may be called from inside the token

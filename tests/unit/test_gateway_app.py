@@ -140,3 +140,41 @@ async def test_auxiliary_routes_without_a_recipe() -> None:
             resp = await client.request(method, path, data=b"{}")
             assert resp.status == 503 and (await resp.json())["error"]["type"] == "server_error"
         assert (await client.post("/tokenize", data=b"[1]")).status == 400
+
+
+class DownBus(FakeBus):
+    connected = False
+
+
+async def test_a_request_while_the_bus_is_down_is_a_503_at_once_in_api_format() -> None:
+    bus = DownBus(lambda: pytest.fail("nothing may be asked while the bus is down"))
+    app = build_app(bus, GatewayConfig(request_timeout_s=600), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 3, "messages": []})
+        assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+        body = await resp.json()
+        assert body["type"] == "error" and "no connection to the message bus" in body["error"]["message"]
+        resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+        assert resp.status == 503 and "message bus" in (await resp.json())["error"]["message"]
+        assert (await client.post("/v1/messages/count_tokens", json={"model": "m"})).status == 503
+        assert (await client.post("/tokenize", json={"prompt": "x"})).status == 503
+        assert (await client.get("/health")).status == 503  # and readiness says why
+    assert bus.published == []  # nothing was launched, so there is nothing to cancel
+
+
+async def test_a_lost_bus_ends_a_stream_in_flight_with_a_last_error_frame_at_once() -> None:
+    import asyncio
+
+    from services.gateway.app import PUMPS
+
+    bus = SilentStreamBus()
+    app = build_app(bus, GatewayConfig(event_timeout_s=600), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+        assert resp.status == 200
+        assert await resp.content.readexactly(len(CREATED)) == CREATED  # the stream runs, then falls silent
+        app[PUMPS].bus_lost()
+        rest = await asyncio.wait_for(resp.content.read(), 30)  # (a bound on a hang, not a timing assertion)
+        error = orjson.loads(rest.split(b"data: ", 1)[1])
+        assert rest.startswith(b"event: error\n") and "lost its connection to the message bus" in error["error"]["message"]
+    assert [m.reason for m in bus.published] == ["bus lost"]

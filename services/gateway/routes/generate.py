@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from services.gateway import genai
 from services.gateway.auth import presented_key, tenant_of
-from services.gateway.errors import ApiError, ErrorFormat, error_response, json_response
+from services.gateway.errors import ApiError, ErrorFormat, bus_down, error_response, json_response
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import ApiRequestHandler
 from services.gateway.routes.table import ApiRoute
@@ -160,6 +160,8 @@ class GenerateHandler:
     async def handle(self, request: web.Request, route: ApiRoute) -> web.StreamResponse:
         if self._pumps.closing:
             raise ApiError(503, "the gateway is shutting down")
+        if not self._bus.connected:
+            raise bus_down()
         arrival = time.monotonic()
         client_id = client_request_id(request)
         body, parsed = await read_json(request, self._max_body_bytes)
@@ -248,7 +250,7 @@ class GenerateHandler:
             except TimeoutError:
                 continue
             except PumpAborted as exc:
-                raise RequestEnded(503, "the gateway is shutting down", exc.reason) from None
+                raise RequestEnded(503, exc.message, exc.reason) from None
 
     def _reason(self, exc: BaseException) -> str:
         if self._pumps.closing:
