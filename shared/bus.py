@@ -49,6 +49,7 @@ from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind
 
 from shared import codec, subjects, tracing
+from shared.nats_urls import server_urls
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +65,15 @@ STREAM_NAME_IN_USE = 10058  # JetStream's error code when add_stream loses a cre
 CONSUMER_NOT_FOUND = 10014  # JetStream's error code for a consumer the server does not know (any more)
 RECONNECT_FIRST_S = 0.1  # delay before the 2nd attempt at one server; doubles each failure up to RECONNECT_MAX_S
 RECONNECT_MAX_S = 2.0  # a restarted server is found within about this much of being back
-URL_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
+MAX_REPLICAS = 3  # what a NATS cluster usually runs: R3 keeps a quorum with one server down
 # errors that mean the connection itself broke (nats-py reconnects after them)
 CONNECTION_ERRORS = (nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError, OSError, asyncio.TimeoutError)
 
 
-def server_urls(url: str) -> list[str]:
-    """`--nats-url` as nats-py's server list: one URL, or several separated by commas (the members of a NATS
-    cluster; the client picks one and moves to another when it fails)."""
-    urls = [part.strip() for part in url.split(",") if part.strip()]
-    if not urls:
-        raise ValueError("--nats-url names no server")
-    for one in urls:
-        if not one.startswith(URL_SCHEMES):
-            raise ValueError(f"--nats-url must be nats:// URLs separated by commas, got {one!r}")
-    return urls
+def stream_replicas(servers: int) -> int:
+    """Copies JetStream keeps of each stream and bucket this bus creates: 3 where the cluster has 3 servers or
+    more (a stream then survives the loss of any one), else 1 (a single server holds one copy)."""
+    return MAX_REPLICAS if servers >= MAX_REPLICAS else 1
 
 
 def reconnect_delay(failures: int, jitter: float) -> float:
@@ -240,6 +235,11 @@ class Bus:
         return self._nc.is_connected
 
     @property
+    def replicas(self) -> int:
+        """`stream_replicas` of the servers this connection knows: those given and those the cluster announced."""
+        return stream_replicas(len({uri.netloc for uri in self._nc.servers}))
+
+    @property
     def losses(self) -> int:
         """How many times the connection was lost so far."""
         return self._connection.losses
@@ -343,6 +343,7 @@ class Bus:
             subjects=[subjects.WORK_SUBJECTS],
             retention=RetentionPolicy.WORK_QUEUE,
             duplicate_window=120.0,
+            num_replicas=self.replicas,
         )
         try:
             await self._js.stream_info(subjects.WORK_STREAM)
@@ -400,7 +401,8 @@ class Bus:
         """The bucket, created if missing; an existing one gets `ttl_s` (the newest setting wins, so a service
         restarted with another TTL applies it). Every entry expires `ttl_s` after its last write."""
         try:
-            kv = await self._js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1))
+            kv = await self._js.create_key_value(
+                KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, replicas=self.replicas))
         except BadRequestError:  # it exists with another configuration: keep its entries, change its max age
             stream = f"KV_{bucket}"
             info = await self._js.stream_info(stream)

@@ -127,3 +127,13 @@ async def test_a_server_that_lost_its_store_gets_a_new_consumer(
     finally:
         await bus.drain()
     assert any("bound the work queue to a new consumer" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_list_of_servers_connects_past_one_that_is_down(server: natsserver.NatsServer) -> None:
+    dead = f"nats://127.0.0.1:{natsserver.persisted_port(server.store_dir.parent / 'other')}"  # a free port
+    bus = await Bus.connect(f"{dead},{server.url}", "svc")
+    try:
+        assert bus.connected and bus.replicas == 1  # two servers known, not a cluster of three
+        assert await bus.key_value("t_list", Job, ttl_s=60) is not None
+    finally:
+        await bus.drain()
