@@ -68,6 +68,10 @@ RECONNECT_MAX_S = 2.0  # a restarted server is found within about this much of b
 MAX_REPLICAS = 3  # what a NATS cluster usually runs: R3 keeps a quorum with one server down
 # errors that mean the connection itself broke (nats-py reconnects after them)
 CONNECTION_ERRORS = (nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError, OSError, asyncio.TimeoutError)
+# what a publish or request raises while its connection is down: a handler failing with one failed for the bus
+BUS_DOWN_ERRORS = (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                   nats.errors.ConnectionDrainingError, nats.errors.OutboundBufferLimitError,
+                   nats.errors.NoServersError, nats.errors.StaleConnectionError, nats.errors.UnexpectedEOF)
 
 
 def stream_replicas(servers: int) -> int:
@@ -288,10 +292,11 @@ class Bus:
                 log.warning("dropping bad message on %s: %s", msg.subject, exc)
                 return
             with tracing.handling(f"{self._name} {subject}", msg.headers, SpanKind.CONSUMER):
+                losses = self.losses
                 try:
                     await handler(message, Envelope(msg.subject, tracing.current()))
-                except Exception:
-                    log.exception("handler for %s failed", msg.subject)
+                except Exception as exc:
+                    self.handler_failed(f"handler for {msg.subject} failed", exc, losses)
 
         return Subscription(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
 
@@ -314,10 +319,11 @@ class Bus:
                     log.warning("bad request on %s: %s", msg.subject, exc)
                     await self._reply_error(msg, f"bad request: {exc}")
                     return
+                losses = self.losses
                 try:
                     reply = await handler(message)
                 except Exception as exc:
-                    log.exception("handler for %s failed", msg.subject)
+                    self.handler_failed(f"handler for {msg.subject} failed", exc, losses)
                     await self._reply_error(msg, f"{type(exc).__name__}: {exc}")
                     return
                 if msg.reply:
@@ -327,6 +333,14 @@ class Bus:
             self.spawn(respond(msg))
 
         return Subscription(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    def handler_failed(self, what: str, exc: Exception, losses_before: int) -> None:
+        """Log a handler's failure: with its traceback (a bug to look at), unless it failed because the bus went
+        down under it (the outage is already said once; a traceback per request would bury it)."""
+        if isinstance(exc, BUS_DOWN_ERRORS) or self.losses != losses_before or not self.connected:
+            log.warning("%s while the bus was down: %s", what, _say(exc))
+        else:
+            log.exception(what)
 
     async def _reply_error(self, msg: Msg, reason: str) -> None:
         if not msg.reply:
@@ -559,6 +573,7 @@ class WorkQueue:
     async def _process(self, msg: Msg) -> None:
         try:
             with tracing.handling(f"{self._bus.name} {msg.subject}", msg.headers, SpanKind.CONSUMER):
+                losses = self._bus.losses
                 try:
                     message = codec.decode(self._type, msg.data)
                     await self._handler(message, Envelope(msg.subject, tracing.current()))
@@ -568,8 +583,8 @@ class WorkQueue:
                 except Retry as exc:
                     log.info("retrying work message on %s in %.1fs: %s", msg.subject, exc.delay, exc)
                     await msg.nak(delay=exc.delay)
-                except Exception:
-                    log.exception("work handler on %s failed; redelivering", msg.subject)
+                except Exception as exc:
+                    self._bus.handler_failed(f"work handler on {msg.subject} failed (redelivering)", exc, losses)
                     await msg.nak(delay=1.0)
                 else:
                     await msg.ack()

@@ -192,7 +192,10 @@ async def supervise_nats(nats: SupervisedNats, now: float) -> None:
     if now < nats.restart_at:
         return
     try:
-        await asyncio.to_thread(nats.server.restart)  # waits (up to 15 s) until it listens
+        # On this thread, not a worker thread: PR_SET_PDEATHSIG fires when the *thread* that started a child
+        # ends, so a server started from a pool thread would die with that thread. It waits (< 15 s) until the
+        # server listens; nothing else needs supervising meanwhile.
+        nats.server.restart()
     except (RuntimeError, TimeoutError, OSError) as exc:  # e.g. its port taken meanwhile: try again later
         wait = nats.restarts.died(now, time.monotonic())
         nats.restart_at = time.monotonic() + max(wait, 1.0)

@@ -137,3 +137,30 @@ async def test_a_list_of_servers_connects_past_one_that_is_down(server: natsserv
         assert await bus.key_value("t_list", Job, ttl_s=60) is not None
     finally:
         await bus.drain()
+
+
+async def test_a_handler_failing_for_the_bus_is_one_line_a_bug_keeps_its_traceback(
+    server: natsserver.NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    import nats.errors
+
+    bus = await Bus.connect(server.url, "svc")
+    seen: list[int] = []
+
+    async def work(job: Job, _: Envelope) -> None:
+        seen.append(job.n)
+        raise nats.errors.OutboundBufferLimitError if job.n == 1 else ValueError("a bug")
+
+    try:
+        queue = await bus.work_queue("work.t.fail", "t-fail", Job, work, max_deliver=1)
+        await bus.submit("work.t.fail", Job(1), msg_id="f1")
+        await bus.submit("work.t.fail", Job(2), msg_id="f2")
+        await until(lambda: len([r for r in caplog.records if "work handler" in r.getMessage()]) == 2, 10, "both")
+        await queue.stop()
+    finally:
+        await bus.drain()
+    records = [r for r in caplog.records if "work handler" in r.getMessage()]
+    (bus_down,) = [r for r in records if "while the bus was down" in r.getMessage()]
+    assert bus_down.exc_info is None and "outbound buffer limit" in bus_down.getMessage()
+    (bug,) = [r for r in records if "while the bus was down" not in r.getMessage()]
+    assert bug.exc_info is not None and bug.levelname == "ERROR"
