@@ -177,7 +177,7 @@ class SupervisedNats:
         return self.restart_at is None and self.server.process.poll() is None
 
 
-async def supervise_nats(nats: SupervisedNats, now: float) -> None:
+def supervise_nats(nats: SupervisedNats, now: float) -> None:
     if nats.restart_at is None:
         code = nats.server.process.poll()
         if code is None:
@@ -231,7 +231,7 @@ async def serve(plan: Plan, nats: SupervisedNats | None, bus: Bus) -> None:
         for child in plan.children:
             supervise(child, now)
         if nats is not None:
-            await supervise_nats(nats, now)
+            supervise_nats(nats, now)
         await asyncio.sleep(SUPERVISE_EVERY_S)
 
 
