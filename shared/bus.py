@@ -102,11 +102,15 @@ class _Connection:
     def __init__(self, name: str) -> None:
         self.name = name
         self.closing = False
+        self.connected_once = False
         self.lost_at: float | None = None  # monotonic time the connection went down; None while up
         self.losses = 0
         self.listeners: list[Callable[[], None]] = []
         self._said_why = False
         self._cause: Exception | None = None  # what broke the connection, said in the "lost" line
+
+    def established(self) -> None:
+        self.connected_once, self._said_why = True, False
 
     async def disconnected(self) -> None:
         if self.closing or self.lost_at is not None:
@@ -132,6 +136,13 @@ class _Connection:
         # each with a traceback): the cause goes into the "lost" line, the first failed attempt is said once,
         # the rest at debug. Other errors (a slow consumer, a permission) are logged as they come.
         if self.closing:
+            return
+        if not self.connected_once:  # the first connection, retried until a server answers
+            if not self._said_why:
+                self._said_why = True
+                log.warning("%s: NATS unreachable (%s); retrying", self.name, _say(exc))
+            else:
+                log.debug("%s: NATS still unreachable: %r", self.name, exc)
             return
         if self.lost_at is None and isinstance(exc, CONNECTION_ERRORS):
             self._cause = exc
@@ -202,8 +213,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 5.0) -> Bus:
-        """`url`: one server or a comma-separated list (`server_urls`). The first connection must succeed (a
-        service started with no server exits, and its supervisor retries); after that it is kept forever."""
+        """`url`: one server or a comma-separated list (`server_urls`). Waits until a server answers (a service
+        started before its server waits for it); the connection is then kept forever."""
         connection = _Connection(name)
         nc = await nats.connect(
             servers=server_urls(url),
@@ -211,11 +222,13 @@ class Bus:
             connect_timeout=connect_timeout,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
+            reconnect_time_wait=RECONNECT_MAX_S,  # between first-connection attempts (reconnects: _next_server)
             reconnect_to_server_handler=_next_server,
             disconnected_cb=connection.disconnected,
             reconnected_cb=connection.reconnected,
             error_cb=connection.error,
         )
+        connection.established()
         return cls(nc, name, connection, url)
 
     async def sibling(self, role: str) -> Bus:

@@ -164,3 +164,22 @@ async def test_a_handler_failing_for_the_bus_is_one_line_a_bug_keeps_its_traceba
     assert bus_down.exc_info is None and "outbound buffer limit" in bus_down.getMessage()
     (bug,) = [r for r in records if "while the bus was down" not in r.getMessage()]
     assert bug.exc_info is not None and bug.levelname == "ERROR"
+
+
+async def test_a_service_started_before_its_server_waits_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "late"
+    port = natsserver.persisted_port(state)
+    connecting = asyncio.create_task(Bus.connect(f"nats://127.0.0.1:{port}", "early"))
+    await until(lambda: any("NATS unreachable" in r.getMessage() for r in caplog.records), 20, "the first attempt")
+    assert not connecting.done()
+    server = await asyncio.to_thread(natsserver.start, state, port=port)
+    try:
+        bus = await asyncio.wait_for(connecting, 30)
+        assert bus.connected
+        await bus.drain()
+    finally:
+        server.stop()
+    said = [r for r in caplog.records if r.getMessage().startswith("early:") and r.levelno >= logging.WARNING]
+    assert len(said) == 1 and not said[0].exc_info  # once, however many attempts it took
