@@ -21,9 +21,15 @@ restarts, each for the bucket's TTL: `key_value(bucket, Type, ttl_s=...)` gives 
 The connection outlives its server: a lost server is retried forever with a growing, capped, jittered delay
 (`reconnect_delay`), over every server of a comma-separated URL list (a NATS cluster). Each change of state is
 one log line (lost, reconnected), never a traceback per attempt. On reconnect nats-py replays every core
-subscription; a work queue whose durable consumer is gone (a server that lost its store) binds a new one. What
-was in flight while the connection was down may be lost (core NATS keeps nothing for an absent subscriber), so
-a service that waits on a stream of messages registers `on_lost` and ends what it waits for, at once.
+subscription; a work queue whose durable consumer is gone (a server that lost its store) binds a new one.
+
+Core NATS keeps nothing for an absent subscriber, so what was published around an outage (held by the dying
+server, or sent before the receiver had subscribed again) is lost. The bus keeps what it published on the
+request streams (`subjects.REPLAYED`: tokens, events, cancels) for REPLAY_WINDOW_S and, after a reconnect,
+publishes again everything from REPLAY_MARGIN_S before the loss on, twice (REPLAY_AFTER_S: once every peer has
+had time to reconnect): receivers drop what they already have, so a stream resumes where the outage cut it.
+A service waiting on a stream ends it with an error only when the bus stays down OUTAGE_GRACE_S, or when the
+stream stays silent RESUME_S after the reconnect (its messages were lost all the same).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import logging
 import random
 import re
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -65,6 +72,13 @@ STREAM_NAME_IN_USE = 10058  # JetStream's error code when add_stream loses a cre
 CONSUMER_NOT_FOUND = 10014  # JetStream's error code for a consumer the server does not know (any more)
 RECONNECT_FIRST_S = 0.1  # delay before the 2nd attempt at one server; doubles each failure up to RECONNECT_MAX_S
 RECONNECT_MAX_S = 2.0  # a restarted server is found within about this much of being back
+REPLAY_WINDOW_S = 20.0  # how long published stream messages are kept for a replay
+REPLAY_MAX_BYTES = 16 * 1024 * 1024  # and at most this many bytes of them (the oldest go first)
+REPLAY_MARGIN_S = 2.0  # replay from this long before the loss: what the dying server may still have held
+REPLAY_AFTER_S = (1.0, 4.0)
+REPLAY_FLUSH_EVERY = 256  # after a reconnect: peers reconnect within about RECONNECT_MAX_S of the server
+OUTAGE_GRACE_S = 10.0  # a bus down longer than this ends the requests in flight (503): nothing can reach them
+RESUME_S = 10.0  # a stream still silent this long after the reconnect (and its replays) lost its messages
 MAX_REPLICAS = 3  # what a NATS cluster usually runs: R3 keeps a quorum with one server down
 # errors that mean the connection itself broke (nats-py reconnects after them)
 CONNECTION_ERRORS = (nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError, OSError, asyncio.TimeoutError)
@@ -106,6 +120,9 @@ class _Connection:
         self.lost_at: float | None = None  # monotonic time the connection went down; None while up
         self.losses = 0
         self.listeners: list[Callable[[], None]] = []
+        self.back_listeners: list[Callable[[], None]] = []
+        self.back_at = 0.0  # monotonic time of the last reconnect
+        self.last_lost_at = 0.0  # monotonic time of the last loss
         self._said_why = False
         self._cause: Exception | None = None  # what broke the connection, said in the "lost" line
 
@@ -116,6 +133,7 @@ class _Connection:
         if self.closing or self.lost_at is not None:
             return
         self.lost_at, self._said_why = time.monotonic(), False
+        self.last_lost_at = self.lost_at
         self.losses += 1
         why = f" ({_say(self._cause)})" if self._cause is not None else ""
         self._cause = None
@@ -128,8 +146,10 @@ class _Connection:
 
     async def reconnected(self) -> None:
         down = time.monotonic() - self.lost_at if self.lost_at is not None else 0.0
-        self.lost_at = None
+        self.lost_at, self.back_at = None, time.monotonic()
         log.warning("%s: reconnected to NATS after %.1f s", self.name, down)
+        for listener in list(self.back_listeners):
+            listener()
 
     async def error(self, exc: Exception) -> None:
         # nats-py reports here what broke the connection, then every failed reconnect attempt (its default logs
@@ -159,6 +179,24 @@ class _Connection:
 
 def _say(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
+
+
+class _Recent:
+    """What a bus published on the request streams lately: (time, subject, data, headers), oldest first,
+    bounded by REPLAY_WINDOW_S and REPLAY_MAX_BYTES."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[float, str, bytes, dict[str, str] | None]] = deque()
+        self._bytes = 0
+
+    def keep(self, now: float, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+        self._items.append((now, subject, data, headers))
+        self._bytes += len(data)
+        while self._items and (now - self._items[0][0] > REPLAY_WINDOW_S or self._bytes > REPLAY_MAX_BYTES):
+            self._bytes -= len(self._items.popleft()[2])
+
+    def since(self, t: float) -> list[tuple[str, bytes, dict[str, str] | None]]:
+        return [(subject, data, headers) for at, subject, data, headers in self._items if at >= t]
 
 
 class Retry(Exception):
@@ -210,6 +248,9 @@ class Bus:
         self._url = url
         self._connection = connection or _Connection(name)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._recent = _Recent()
+        self._replays: set[asyncio.Future[None]] = set()  # not waited for by drain(): a closing bus replays nothing
+        self._connection.back_listeners.append(self._replay_soon)
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 5.0) -> Bus:
@@ -261,6 +302,16 @@ class Bus:
         """How many times the connection was lost so far."""
         return self._connection.losses
 
+    def down_for(self) -> float:
+        """Seconds the connection has been down (0 while it is up)."""
+        lost_at = self._connection.lost_at
+        return time.monotonic() - lost_at if lost_at is not None else 0.0
+
+    @property
+    def back_at(self) -> float:
+        """Monotonic time of the last reconnect (0 if it never was lost)."""
+        return self._connection.back_at
+
     def on_lost(self, listener: Callable[[], None]) -> None:
         """Call `listener` (synchronous, quick) each time the connection is lost, before any reconnect: whatever
         waits on messages that may now never come should end now rather than time out."""
@@ -273,7 +324,36 @@ class Bus:
     # --- core NATS ---------------------------------------------------------------------------------------------
 
     async def publish(self, subject: str, message: Any, *, trace: tracing.Context | None = None) -> None:
-        await self._nc.publish(subject, codec.encode(message), headers=tracing.inject(trace) or None)
+        data, headers = codec.encode(message), tracing.inject(trace) or None
+        if subject.startswith(subjects.REPLAYED):
+            self._recent.keep(time.monotonic(), subject, data, headers)
+        await self._nc.publish(subject, data, headers=headers)
+
+    def _replay_soon(self) -> None:
+        task = asyncio.ensure_future(self._replay(self._connection.last_lost_at - REPLAY_MARGIN_S))
+        self._replays.add(task)
+        task.add_done_callback(self._replays.discard)
+
+    async def _replay(self, since: float) -> None:
+        """Publish again what went out on the request streams since `since`, once peers are back (twice: a peer
+        whose reconnect took longer gets the second)."""
+        waited = 0.0
+        for after in REPLAY_AFTER_S:
+            await asyncio.sleep(after - waited)
+            waited = after
+            if not self.connected:
+                return  # lost again: the next reconnect replays
+            again = self._recent.since(since)
+            for n, (subject, data, headers) in enumerate(again, 1):
+                try:
+                    await self._nc.publish(subject, data, headers=headers)
+                    if n % REPLAY_FLUSH_EVERY == 0:  # stay under the client's pending-bytes limit
+                        await self._nc.flush()
+                except Exception as exc:  # lost again, or closing: the next reconnect replays
+                    log.debug("replay stopped: %r", exc)
+                    return
+            if again:
+                log.info("replayed %d stream messages sent since the bus outage began", len(again))
 
     async def request(
         self, subject: str, message: Any, reply_type: type[R], *, timeout: float = 5.0
@@ -451,6 +531,8 @@ class Bus:
         if self._connection.closing:
             return
         self._connection.closing = True
+        for replay in list(self._replays):
+            replay.cancel()
         try:
             await self._nc.drain()
         except Exception as exc:  # already closed or disconnected: nothing left to drain

@@ -87,6 +87,11 @@ def events(request_id: str) -> str:
     return f"events.{request_id}"
 
 
+# Published again after a bus outage (shared/bus.py: replay): each receiver drops what it already has (tokens by
+# index, events by seq; a cancel twice is a cancel), so a stream resumes where the outage cut it.
+REPLAYED = ("tokens.", "events.", CANCEL, WORKER_DONE)
+
+
 # JetStream key-value buckets.
 RESPONSES_BUCKET = "deepinfer_responses"  # response id -> StoredResponse (Responses API `store`), with a TTL
 

@@ -52,7 +52,6 @@ class GatewayService:
         await runner.setup()
         await web.TCPSite(runner, self._config.host, self._config.port).start()
         self._runner, self._pumps, self._readiness = runner, app[PUMPS], app[READINESS]
-        bus.on_lost(self._pumps.bus_lost)  # requests in flight end with a 503 at once, not after the event timeout
         self.port = runner.addresses[0][1]
         log.info("gateway listening on http://%s:%d (models: %s)", self._config.host, self.port, self._models)
 

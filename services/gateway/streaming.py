@@ -47,13 +47,11 @@ class Reorder:
 
 
 SHUTTING_DOWN = "the gateway is shutting down"
-BUS_LOST = ("the gateway lost its connection to the message bus while the request was in flight, so its answer "
-            "cannot arrive; try again")
 
 
 class PumpAborted(Exception):
-    """The gateway ended the request itself (shutdown, a lost bus); `reason` goes into the Cancel message,
-    `message` to the client (a 503)."""
+    """The gateway ended the request itself (shutdown); `reason` goes into the Cancel message, `message` to the
+    client (a 503)."""
 
     def __init__(self, reason: str, message: str = SHUTTING_DOWN) -> None:
         super().__init__(reason)
@@ -69,8 +67,11 @@ class EventPump:
         self._aborted: PumpAborted | None = None
         self._sub: Subscription | None = None
         self.meter: RequestMeter | None = None  # set once the request is accepted: sees each event handed out
+        self.losses = 0  # the bus's losses when this request last heard an event (or opened)
+        self.last_event_at = time.monotonic()
 
     async def open(self, bus: Bus) -> None:
+        self.losses = bus.losses
         self._sub = await bus.subscribe(subjects.events(self.request_id), ApiEvent, self._on_event)
 
     async def close(self) -> None:
@@ -105,9 +106,7 @@ class EventPump:
 
 
 class Pumps:
-    """Every open pump of this gateway. `closing` makes new requests fail fast during shutdown; `bus_lost` ends
-    every request in flight when the bus connection drops (events sent meanwhile are lost for good: core NATS
-    keeps nothing for an absent subscriber), at once rather than after the event timeout."""
+    """Every open pump of this gateway. `closing` makes new requests fail fast during shutdown."""
 
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
@@ -133,6 +132,3 @@ class Pumps:
         for pump in self._open.values():
             pump.abort(reason)
 
-    def bus_lost(self) -> None:
-        for pump in self._open.values():
-            pump.abort("bus lost", BUS_LOST)

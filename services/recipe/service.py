@@ -7,8 +7,8 @@
     anyone --requests.cancel--> on_cancel(): drop the request's state
 
 Per-request state (a Flight and its token subscription) ends on finish, on cancel, after `ttl_s` without
-a token event (the client then gets a 504 and the workers a Cancel), or when the bus connection drops (tokens
-sent meanwhile are lost for good: a 503 and a Cancel, at once). A Responses request created with `store`
+a token event (the client then gets a 504 and the workers a Cancel), or when the bus stays down OUTAGE_GRACE_S
+(a 503 and a Cancel; a shorter outage costs nothing: shared/bus.py replays the token streams). A Responses request created with `store`
 is kept (responses_store.py) before its last event goes out, so the client can continue from it at once.
 Questions that generate nothing (tokenize, models, stored responses) are answered by `queries.Queries`.
 """
@@ -19,7 +19,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any
 
 import orjson
 
@@ -36,7 +37,7 @@ from services.recipe.prepared import RESPONSE_ID_PREFIXES, InferenceSpec, Prepar
 from services.recipe.queries import Queries
 from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
 from shared import subjects
-from shared.bus import Bus, Envelope, Subscription
+from shared.bus import OUTAGE_GRACE_S, Bus, Envelope, Subscription
 from shared.json_depth import depth_message
 from shared.presence import announce_forever
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
@@ -64,6 +65,7 @@ def _overloaded(api: str, refusal: Refusal) -> PrepareReply:
 
 class RecipeService:
     name = "recipe"
+    outage_grace_s = OUTAGE_GRACE_S  # a bus down this long ends the requests in flight
 
     def __init__(
         self, model_specs: Sequence[str], *, ttl_s: float = 600.0, stop_grace_s: float = 5.0,
@@ -317,15 +319,28 @@ class RecipeService:
             log.info("%s cancelled: %s", cancel.request_id, cancel.reason)
 
     def _on_bus_lost(self) -> None:
-        """No flight in progress can finish correctly now: end each (its error reaches a gateway that still waits,
-        its Cancel the workers, once reconnected), freeing its admission place at once rather than after ttl_s."""
-        if not self._flights:
-            return
-        log.warning("ending %d requests in flight: the bus connection was lost", len(self._flights))
-        for flight in list(self._flights.values()):
-            task = asyncio.create_task(self._end_lost(flight))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        """A short outage costs the flights nothing (their tokens are replayed once the bus is back); one that
+        lasts `outage_grace_s` ends those that were waiting, freeing their admission places rather than after
+        ttl_s (their errors reach a gateway that still waits, their Cancels the workers, once reconnected)."""
+        if self._flights:
+            self._spawn(self._end_if_still_down(list(self._flights)))
+
+    async def _end_if_still_down(self, rids: list[str]) -> None:
+        await asyncio.sleep(self.outage_grace_s)
+        if self._bus is not None and not self._bus.connected:
+            self._end_flights(rids)
+
+    def _end_flights(self, rids: list[str]) -> None:
+        flights = [f for rid in rids if (f := self._flights.get(rid)) is not None]
+        if flights:
+            log.warning("ending %d requests in flight: the bus is still down", len(flights))
+        for flight in flights:
+            self._spawn(self._end_lost(flight))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _end_lost(self, flight: Flight) -> None:
         if self._flights.get(flight.request_id) is not flight:

@@ -1,6 +1,7 @@
-"""The NATS-restart fault against a running `deepinfer up` stack, for the chaos test and bench/chaos.py: streams
-running, the launcher's nats-server SIGKILLed mid-stream, then how each stream ended and how long until the stack
-served a new request by itself. Measures; asserts nothing (the caller judges).
+"""The NATS-restart fault against a running `deepinfer up` stack, for the chaos test and bench/chaos.py: a
+fault-free stream for reference, then the same stream several times at once, the launcher's nats-server
+SIGKILLed mid-stream, then how each stream ended (and whether its text is the reference's) and how long until the
+stack served a new request by itself. Measures; asserts nothing (the caller judges).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class StreamOutcome:
 
 @dataclass
 class NatsRestartResult:
+    reference: str = ""  # the same request's text without a fault (greedy: every stream's text should be it)
     streams: list[StreamOutcome] = field(default_factory=list)
     killed_pid: int = 0
     recovered_after_s: float = math.inf  # kill -> the first new request that succeeded (inf: none in time)
@@ -69,8 +71,7 @@ async def nats_restart_scenario(
     started = [asyncio.Event() for _ in range(streams)]
     killed_at = math.nan
 
-    async def stream(i: int) -> None:
-        outcome = result.streams[i]
+    async def stream(outcome: StreamOutcome, started: asyncio.Event) -> None:
         try:
             chunks = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens, stream=True,
@@ -79,7 +80,7 @@ async def nats_restart_scenario(
             async for chunk in chunks:
                 if chunk.choices and chunk.choices[0].delta.content:
                     outcome.text += chunk.choices[0].delta.content
-                    started[i].set()
+                    started.set()
                 if chunk.choices and chunk.choices[0].finish_reason:
                     outcome.finish_reason = chunk.choices[0].finish_reason
         except openai.APIError as exc:
@@ -87,11 +88,14 @@ async def nats_restart_scenario(
         except Exception as exc:  # a connection cut, a client timeout: still an outcome to report
             outcome.error = f"{type(exc).__name__}: {exc}"
         finally:
-            started[i].set()
+            started.set()
             outcome.ended_after_kill_s = time.monotonic() - killed_at if not math.isnan(killed_at) else -1.0
 
     try:
-        tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
+        reference = StreamOutcome()
+        await stream(reference, asyncio.Event())
+        result.reference = reference.text
+        tasks = [asyncio.create_task(stream(result.streams[i], started[i])) for i in range(streams)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), end_within_s)
         result.killed_pid = nats_server_pid(state_dir)
         killed_at = time.monotonic()

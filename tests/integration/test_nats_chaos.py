@@ -1,9 +1,9 @@
 """Chaos on a `deepinfer up` stack (one stack for the module): the nats-server SIGKILLed mid-stream, and a service
 that keeps dying.
 
-- NATS: the launcher starts it again on the port it keeps in the state dir, with its JetStream store; every
-  stream in flight ends at once with a clear 503 error frame (the events sent while the bus was down are lost
-  for good); the stack then serves new requests by itself.
+- NATS: the launcher starts it again on the port it keeps in the state dir, with its JetStream store; the
+  services reconnect and replay their stream messages, so every stream in flight completes with the fault-free
+  text (a stream that could not would end with a 503 naming the bus); new requests are served by themselves.
 - A crash loop (the kvcache killed each time it comes back): the launcher backs it off instead of stopping the
   stack, says so, shows it on the gateway's /metrics, and the rest of the mesh serves on.
 """
@@ -27,7 +27,7 @@ from tests.integration.nats_chaos import cmdline, nats_restart_scenario, nats_se
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-ENDS_WITHIN_S = 30.0  # a bound on a hang (the event timeout is 300 s), not a latency claim
+ENDS_WITHIN_S = 60.0  # a bound on a hang (the event timeout is 300 s), not a latency claim
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +43,15 @@ def ask(mesh: Mesh) -> str:
     return reply.choices[0].finish_reason
 
 
-def test_nats_killed_mid_stream_streams_end_clearly_and_the_stack_serves_again(mesh: Mesh) -> None:
+def test_nats_killed_mid_stream_streams_complete_and_the_stack_serves_again(mesh: Mesh) -> None:
     url_before = mesh.nats_url
-    result = asyncio.run(nats_restart_scenario(mesh.base_url, mesh.state_dir, model=MODEL, streams=3))
+    result = asyncio.run(nats_restart_scenario(mesh.base_url, mesh.state_dir, model=MODEL, streams=3,
+                                               max_tokens=200))
+    assert len(result.reference) > 200
     for outcome in result.streams:
-        assert outcome.text  # it was streaming when the server died
         assert outcome.ended_after_kill_s < ENDS_WITHIN_S, outcome
-        if not outcome.finish_reason:  # ended early: with the bus named, not a timeout
-            assert "message bus" in outcome.error, outcome
+        assert outcome.error == "" and outcome.finish_reason == "length", outcome
+        assert outcome.text == result.reference  # no token lost, duplicated or changed
     assert result.recovered_after_s < 90, result
     said = "".join(mesh.output)
     assert f"nats-server exited with code -9; restarting it on {url_before}" in said

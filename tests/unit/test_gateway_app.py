@@ -26,6 +26,11 @@ class FakeBus:
     """Just enough of `Bus`: `request` runs `answer`, publishes are recorded."""
 
     connected = True
+    losses = 0  # the bus's outage state, as shared.bus.Bus reports it: never lost
+    back_at = 0.0
+
+    def down_for(self) -> float:
+        return 0.0
 
     def __init__(self, answer: Callable[[], Any] = no_recipe) -> None:
         self.answer = answer
@@ -162,19 +167,54 @@ async def test_a_request_while_the_bus_is_down_is_a_503_at_once_in_api_format() 
     assert bus.published == []  # nothing was launched, so there is nothing to cancel
 
 
-async def test_a_lost_bus_ends_a_stream_in_flight_with_a_last_error_frame_at_once() -> None:
+class OutageBus(SilentStreamBus):
+    """A stream that starts, then the bus goes down (or comes back) as the test says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = 0.0
+
+    def down_for(self) -> float:
+        return self.down
+
+
+@pytest.mark.parametrize("outage", ["down past the grace", "back but the stream stays silent"])
+async def test_a_stream_the_bus_cannot_bring_ends_with_a_last_error_frame(outage: str) -> None:
     import asyncio
+    import time
 
-    from services.gateway.app import PUMPS
+    from shared.bus import OUTAGE_GRACE_S, RESUME_S
 
-    bus = SilentStreamBus()
+    bus = OutageBus()
     app = build_app(bus, GatewayConfig(event_timeout_s=600), ["m"])  # type: ignore[arg-type]
     async with test_utils.TestClient(test_utils.TestServer(app)) as client:
         resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
         assert resp.status == 200
         assert await resp.content.readexactly(len(CREATED)) == CREATED  # the stream runs, then falls silent
-        app[PUMPS].bus_lost()
+        if outage == "down past the grace":
+            bus.down = OUTAGE_GRACE_S + 1
+        else:  # lost, and back long enough ago that its replays would have come
+            bus.losses, bus.back_at = 1, time.monotonic() - RESUME_S - 1
         rest = await asyncio.wait_for(resp.content.read(), 30)  # (a bound on a hang, not a timing assertion)
         error = orjson.loads(rest.split(b"data: ", 1)[1])
-        assert rest.startswith(b"event: error\n") and "lost its connection to the message bus" in error["error"]["message"]
+        assert rest.startswith(b"event: error\n") and "message bus was lost" in error["error"]["message"]
     assert [m.reason for m in bus.published] == ["bus lost"]
+
+
+async def test_a_stream_that_resumes_after_an_outage_goes_on() -> None:
+    import asyncio
+    import time
+
+    bus = OutageBus()
+    app = build_app(bus, GatewayConfig(event_timeout_s=600), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+        assert await resp.content.readexactly(len(CREATED)) == CREATED
+        bus.losses, bus.back_at = 1, time.monotonic()  # an outage just ended: its replays are on their way
+        await asyncio.sleep(0.6)  # a poll of the pump passes
+        assert bus._on_event is not None
+        done = ApiEvent("", 1, [b"data: [DONE]\n\n"], done=True)
+        await bus._on_event(done, None)  # the replayed end arrives
+        rest = await asyncio.wait_for(resp.content.read(), 30)
+        assert rest == b"data: [DONE]\n\n"
+    assert bus.published == []  # it finished: nothing to cancel

@@ -67,6 +67,10 @@ class StubBus:
         self.asked: list[str] = []
         self.handlers: dict[str, Callable[..., Any]] = {}
         self.connected = True
+        self.losses, self.back_at = 0, 0.0  # the bus's outage state: never lost
+
+    def down_for(self) -> float:
+        return 0.0
 
     async def subscribe(self, subject: str, message_type: Any, handler: Callable[..., Any], **kwargs: Any) -> None:
         self.handlers[subject] = handler

@@ -1,6 +1,7 @@
-"""A recipe whose bus connection drops ends every request in flight at once: a 503 naming the bus to the gateway,
-a Cancel to the workers, its admission place freed (the tokens sent meanwhile are lost, so waiting for them could
-only end in the 600 s reaper's 504). The real SmolLM2 tokenizer; a recording stand-in for the bus."""
+"""A recipe whose bus stays down past the grace ends every request that was in flight: a 503 naming the bus to the
+gateway, a Cancel to the workers, its admission place freed (nothing could reach them, so waiting could only end
+in the 600 s reaper's 504). A shorter outage ends nothing: the token streams are replayed. The real SmolLM2
+tokenizer; a recording stand-in for the bus."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 class RecordingBus:
     name = "recipe-t"
+    connected = True
 
     def __init__(self) -> None:
         self.published: list[tuple[str, Any]] = []
@@ -54,8 +56,15 @@ async def test_a_lost_bus_ends_every_request_in_flight(model: ServedModel) -> No
     assert bus.submitted == ["a", "b"]
     assert not (await recipe.prepare(PrepareRequest("c", "chat", body, "tenant"))).ok  # the bound is full
 
-    recipe._on_bus_lost()
+    recipe.outage_grace_s = 0.0
+    recipe._on_bus_lost()  # the bus came back within the grace: nothing ends
     await asyncio.gather(*recipe._tasks)
+    assert bus.published == [] and sorted(recipe._flights) == ["a", "b"]
+
+    bus.connected = False
+    recipe._on_bus_lost()  # and now it stays down
+    await asyncio.gather(*recipe._tasks)
+    await asyncio.gather(*recipe._tasks)  # (the ending tasks the first one spawned)
     events = {s: m for s, m in bus.published if isinstance(m, ApiEvent)}
     for rid in ("a", "b"):
         event = events[subjects.events(rid)]
@@ -64,6 +73,3 @@ async def test_a_lost_bus_ends_every_request_in_flight(model: ServedModel) -> No
     assert sorted(m.request_id for _, m in bus.published if isinstance(m, Cancel)) == ["a", "b"]
     assert {m.reason for _, m in bus.published if isinstance(m, Cancel)} == {"bus lost"}
     assert (await recipe.prepare(PrepareRequest("d", "chat", body, "tenant"))).ok  # the places are free again
-    recipe._on_bus_lost()  # a second outage ends only what is in flight now
-    await asyncio.gather(*recipe._tasks)
-    assert sum(isinstance(m, Cancel) for _, m in bus.published) == 3
