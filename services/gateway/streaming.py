@@ -46,17 +46,12 @@ class Reorder:
         return ready
 
 
-SHUTTING_DOWN = "the gateway is shutting down"
-
-
 class PumpAborted(Exception):
-    """The gateway ended the request itself (shutdown); `reason` goes into the Cancel message, `message` to the
-    client (a 503)."""
+    """The gateway ended the request itself (shutdown); `reason` goes into the Cancel message."""
 
-    def __init__(self, reason: str, message: str = SHUTTING_DOWN) -> None:
+    def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.message = message
 
 
 class EventPump:
@@ -87,10 +82,8 @@ class EventPump:
         for ready in self._reorder.push(event):
             self._ready.put_nowait(ready)
 
-    def abort(self, reason: str, message: str = SHUTTING_DOWN) -> None:
-        if self._aborted is not None:
-            return
-        self._aborted = PumpAborted(reason, message)
+    def abort(self, reason: str) -> None:
+        self._aborted = PumpAborted(reason)
         self._ready.put_nowait(self._aborted)  # wakes a waiting `next`
 
     async def next(self, timeout: float) -> ApiEvent:
@@ -131,4 +124,3 @@ class Pumps:
         self.closing = True
         for pump in self._open.values():
             pump.abort(reason)
-

@@ -252,7 +252,7 @@ class GenerateHandler:
             except TimeoutError:
                 continue
             except PumpAborted as exc:
-                raise RequestEnded(503, exc.message, exc.reason) from None
+                raise RequestEnded(503, "the gateway is shutting down", exc.reason) from None
             pump.losses, pump.last_event_at = self._bus.losses, time.monotonic()
             return event
 
