@@ -19,13 +19,13 @@ Key-value buckets (JetStream KV) hold small typed records shared by every instan
 restarts, each for the bucket's TTL: `key_value(bucket, Type, ttl_s=...)` gives a `KeyValueBucket[Type]`.
 
 The connection outlives its server: a lost server is retried forever with a growing, capped, jittered delay
-(`reconnect_delay`), over every server of a comma-separated URL list (a NATS cluster). Each change of state is
+(`bus_state.reconnect_delay`), over every server of a comma-separated URL list (a NATS cluster). Each change of state is
 one log line (lost, reconnected), never a traceback per attempt. On reconnect nats-py replays every core
 subscription; a work queue whose durable consumer is gone (a server that lost its store) binds a new one.
 
 Core NATS keeps nothing for an absent subscriber, so what was published around an outage (held by the dying
 server, or sent before the receiver had subscribed again) is lost. The bus keeps what it published on the
-request streams (`subjects.REPLAYED`: tokens, events, cancels) for REPLAY_WINDOW_S and, after a reconnect,
+request streams (`subjects.REPLAYED`: tokens, events, cancels) for a while (bus_state.py) and, after a reconnect,
 publishes again everything from REPLAY_MARGIN_S before the loss on, twice (REPLAY_AFTER_S: once every peer has
 had time to reconnect): receivers drop what they already have, so a stream resumes where the outage cut it.
 A service waiting on a stream ends it with an error only when the bus stays down OUTAGE_GRACE_S, or when the
@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -47,7 +45,6 @@ from typing import Any, Generic, TypeVar
 import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
-from nats.aio.client import Server
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
@@ -56,6 +53,18 @@ from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind
 
 from shared import codec, subjects, tracing
+from shared.bus_state import (
+    BUS_DOWN_ERRORS,
+    REPLAY_AFTER_S,
+    REPLAY_FLUSH_EVERY,
+    REPLAY_MARGIN_S,
+    RECONNECT_MAX_S,
+    ConnectionState,
+    RecentStreams,
+    describe,
+    next_server,
+    stream_replicas,
+)
 from shared.nats_urls import server_urls
 
 log = logging.getLogger(__name__)
@@ -70,135 +79,6 @@ ERROR_HEADER = "Bus-Error"  # on a reply: the responder failed on the request; t
 KEEPALIVE_FAILURES = 3  # in_progress() failing this many times in a row ends the job (nak) before ack_wait does
 STREAM_NAME_IN_USE = 10058  # JetStream's error code when add_stream loses a creation race
 CONSUMER_NOT_FOUND = 10014  # JetStream's error code for a consumer the server does not know (any more)
-RECONNECT_FIRST_S = 0.1  # delay before the 2nd attempt at one server; doubles each failure up to RECONNECT_MAX_S
-RECONNECT_MAX_S = 2.0  # a restarted server is found within about this much of being back
-REPLAY_WINDOW_S = 20.0  # how long published stream messages are kept for a replay
-REPLAY_MAX_BYTES = 16 * 1024 * 1024  # and at most this many bytes of them (the oldest go first)
-REPLAY_MARGIN_S = 2.0  # replay from this long before the loss: what the dying server may still have held
-REPLAY_AFTER_S = (1.0, 4.0)
-REPLAY_FLUSH_EVERY = 256  # after a reconnect: peers reconnect within about RECONNECT_MAX_S of the server
-OUTAGE_GRACE_S = 10.0  # a bus down longer than this ends the requests in flight (503): nothing can reach them
-RESUME_S = 10.0  # a stream still silent this long after the reconnect (and its replays) lost its messages
-MAX_REPLICAS = 3  # what a NATS cluster usually runs: R3 keeps a quorum with one server down
-# errors that mean the connection itself broke (nats-py reconnects after them)
-CONNECTION_ERRORS = (nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError, OSError, asyncio.TimeoutError)
-# what a publish or request raises while its connection is down: a handler failing with one failed for the bus
-BUS_DOWN_ERRORS = (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                   nats.errors.ConnectionDrainingError, nats.errors.OutboundBufferLimitError,
-                   nats.errors.NoServersError, nats.errors.StaleConnectionError, nats.errors.UnexpectedEOF)
-
-
-def stream_replicas(servers: int) -> int:
-    """Copies JetStream keeps of each stream and bucket this bus creates: 3 where the cluster has 3 servers or
-    more (a stream then survives the loss of any one), else 1 (a single server holds one copy)."""
-    return MAX_REPLICAS if servers >= MAX_REPLICAS else 1
-
-
-def reconnect_delay(failures: int, jitter: float) -> float:
-    """Seconds to wait before trying a server that failed `failures` times in a row: none before the first retry,
-    then RECONNECT_FIRST_S doubling up to RECONNECT_MAX_S, each scaled by `jitter` in [0.5, 1] so a fleet of
-    clients does not knock on a restarted server all in the same instant."""
-    if failures <= 0:
-        return 0.0
-    return min(RECONNECT_FIRST_S * 2 ** (failures - 1), RECONNECT_MAX_S) * jitter
-
-
-def _next_server(servers: list[Server], _info: dict[str, Any]) -> tuple[Server | None, float]:
-    """nats-py's reconnect hook: the server that failed least recently-in-a-row, and the backoff before it."""
-    chosen = min(servers, key=lambda s: s.reconnects)
-    return chosen, reconnect_delay(chosen.reconnects, random.uniform(0.5, 1.0))
-
-
-class _Connection:
-    """The connection's state changes, each logged once, and the `on_lost` listeners. nats-py calls these from
-    its reading and reconnecting tasks."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.closing = False
-        self.connected_once = False
-        self.lost_at: float | None = None  # monotonic time the connection went down; None while up
-        self.losses = 0
-        self.listeners: list[Callable[[], None]] = []
-        self.back_listeners: list[Callable[[], None]] = []
-        self.back_at = 0.0  # monotonic time of the last reconnect
-        self.last_lost_at = 0.0  # monotonic time of the last loss
-        self._said_why = False
-        self._cause: Exception | None = None  # what broke the connection, said in the "lost" line
-
-    def established(self) -> None:
-        self.connected_once, self._said_why = True, False
-
-    async def disconnected(self) -> None:
-        if self.closing or self.lost_at is not None:
-            return
-        self.lost_at, self._said_why = time.monotonic(), False
-        self.last_lost_at = self.lost_at
-        self.losses += 1
-        why = f" ({_say(self._cause)})" if self._cause is not None else ""
-        self._cause = None
-        log.warning("%s: lost the NATS connection%s; reconnecting", self.name, why)
-        for listener in list(self.listeners):
-            try:
-                listener()
-            except Exception:  # one broken listener must not keep the others from ending their requests
-                log.exception("%s: on_lost listener failed", self.name)
-
-    async def reconnected(self) -> None:
-        down = time.monotonic() - self.lost_at if self.lost_at is not None else 0.0
-        self.lost_at, self.back_at = None, time.monotonic()
-        log.warning("%s: reconnected to NATS after %.1f s", self.name, down)
-        for listener in list(self.back_listeners):
-            listener()
-
-    async def error(self, exc: Exception) -> None:
-        # nats-py reports here what broke the connection, then every failed reconnect attempt (its default logs
-        # each with a traceback): the cause goes into the "lost" line, the first failed attempt is said once,
-        # the rest at debug. Other errors (a slow consumer, a permission) are logged as they come.
-        if self.closing:
-            return
-        if not self.connected_once:  # the first connection, retried until a server answers
-            if not self._said_why:
-                self._said_why = True
-                log.warning("%s: NATS unreachable (%s); retrying", self.name, _say(exc))
-            else:
-                log.debug("%s: NATS still unreachable: %r", self.name, exc)
-            return
-        if self.lost_at is None and isinstance(exc, CONNECTION_ERRORS):
-            self._cause = exc
-            log.debug("%s: NATS connection failing: %r", self.name, exc)
-        elif self.lost_at is not None and self._said_why:
-            log.debug("%s: NATS still unreachable: %r", self.name, exc)
-        elif self.lost_at is not None:
-            self._said_why = True
-            log.warning("%s: NATS unreachable (%s); retrying every %g s at most", self.name, _say(exc),
-                        RECONNECT_MAX_S)
-        else:
-            log.warning("%s: NATS: %s", self.name, _say(exc))
-
-
-def _say(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
-
-
-class _Recent:
-    """What a bus published on the request streams lately: (time, subject, data, headers), oldest first,
-    bounded by REPLAY_WINDOW_S and REPLAY_MAX_BYTES."""
-
-    def __init__(self) -> None:
-        self._items: deque[tuple[float, str, bytes, dict[str, str] | None]] = deque()
-        self._bytes = 0
-
-    def keep(self, now: float, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
-        self._items.append((now, subject, data, headers))
-        self._bytes += len(data)
-        while self._items and (now - self._items[0][0] > REPLAY_WINDOW_S or self._bytes > REPLAY_MAX_BYTES):
-            self._bytes -= len(self._items.popleft()[2])
-
-    def since(self, t: float) -> list[tuple[str, bytes, dict[str, str] | None]]:
-        return [(subject, data, headers) for at, subject, data, headers in self._items if at >= t]
-
-
 class Retry(Exception):
     """Transient failure: redeliver the work message after `delay` seconds."""
 
@@ -241,14 +121,14 @@ class Envelope:
 
 
 class Bus:
-    def __init__(self, nc: NatsClient, name: str, connection: _Connection | None = None, url: str = "") -> None:
+    def __init__(self, nc: NatsClient, name: str, connection: ConnectionState | None = None, url: str = "") -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._name = name
         self._url = url
-        self._connection = connection or _Connection(name)
+        self._connection = connection or ConnectionState(name)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._recent = _Recent()
+        self._recent = RecentStreams()
         self._replays: set[asyncio.Future[None]] = set()  # not waited for by drain(): a closing bus replays nothing
         self._connection.back_listeners.append(self._replay_soon)
 
@@ -256,15 +136,15 @@ class Bus:
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 5.0) -> Bus:
         """`url`: one server or a comma-separated list (`server_urls`). Waits until a server answers (a service
         started before its server waits for it); the connection is then kept forever."""
-        connection = _Connection(name)
+        connection = ConnectionState(name)
         nc = await nats.connect(
             servers=server_urls(url),
             name=name,
             connect_timeout=connect_timeout,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=RECONNECT_MAX_S,  # between first-connection attempts (reconnects: _next_server)
-            reconnect_to_server_handler=_next_server,
+            reconnect_time_wait=RECONNECT_MAX_S,  # between first-connection attempts (reconnects: next_server)
+            reconnect_to_server_handler=next_server,
             disconnected_cb=connection.disconnected,
             reconnected_cb=connection.reconnected,
             error_cb=connection.error,
@@ -315,7 +195,7 @@ class Bus:
     def on_lost(self, listener: Callable[[], None]) -> None:
         """Call `listener` (synchronous, quick) each time the connection is lost, before any reconnect: whatever
         waits on messages that may now never come should end now rather than time out."""
-        self._connection.listeners.append(listener)
+        self._connection.lost_listeners.append(listener)
 
     @property
     def max_payload(self) -> int:
@@ -431,7 +311,7 @@ class Bus:
         """Log a handler's failure: with its traceback (a bug to look at), unless it failed because the bus went
         down under it (the outage is already said once; a traceback per request would bury it)."""
         if isinstance(exc, BUS_DOWN_ERRORS) or self.losses != losses_before or not self.connected:
-            log.warning("%s while the bus was down: %s", what, _say(exc))
+            log.warning("%s while the bus was down: %s", what, describe(exc))
         else:
             log.exception(what)
 

@@ -37,7 +37,8 @@ from services.recipe.prepared import RESPONSE_ID_PREFIXES, InferenceSpec, Prepar
 from services.recipe.queries import Queries
 from services.recipe.responses_store import DEFAULT_TTL_S, ResponseStore, StoreIntent, annotate
 from shared import subjects
-from shared.bus import OUTAGE_GRACE_S, Bus, Envelope, Subscription
+from shared.bus import Bus, Envelope, Subscription
+from shared.bus_state import OUTAGE_GRACE_S
 from shared.json_depth import depth_message
 from shared.presence import announce_forever
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest

@@ -183,7 +183,7 @@ async def test_a_stream_the_bus_cannot_bring_ends_with_a_last_error_frame(outage
     import asyncio
     import time
 
-    from shared.bus import OUTAGE_GRACE_S, RESUME_S
+    from shared.bus_state import OUTAGE_GRACE_S, RESUME_S
 
     bus = OutageBus()
     app = build_app(bus, GatewayConfig(event_timeout_s=600), ["m"])  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.bus import RECONNECT_FIRST_S, RECONNECT_MAX_S, reconnect_delay, stream_replicas
+from shared.bus_state import RECONNECT_FIRST_S, RECONNECT_MAX_S, reconnect_delay, stream_replicas
 from shared.launch import cli_up
 from shared.launch.launcher import build_plan
 from shared.nats_urls import server_urls

@@ -32,7 +32,8 @@ from services.gateway.protocol import ApiRequestHandler
 from services.gateway.routes.table import ApiRoute
 from services.gateway.streaming import EventPump, PumpAborted, Pumps
 from shared import subjects
-from shared.bus import OUTAGE_GRACE_S, RESUME_S, Bus, BusTimeout
+from shared.bus import Bus, BusTimeout
+from shared.bus_state import OUTAGE_GRACE_S, RESUME_S
 from shared.json_depth import depth_message, too_deep
 from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel
