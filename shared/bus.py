@@ -17,6 +17,19 @@ Services hold `Subscription` (this module's handle), never a nats object.
 
 Key-value buckets (JetStream KV) hold small typed records shared by every instance of a service and kept across
 restarts, each for the bucket's TTL: `key_value(bucket, Type, ttl_s=...)` gives a `KeyValueBucket[Type]`.
+
+The connection outlives its server: a lost server is retried forever with a growing, capped, jittered delay
+(`bus_state.reconnect_delay`), over every server of a comma-separated URL list (a NATS cluster). Each change of state is
+one log line (lost, reconnected), never a traceback per attempt. On reconnect nats-py replays every core
+subscription; a work queue whose durable consumer is gone (a server that lost its store) binds a new one.
+
+Core NATS keeps nothing for an absent subscriber, so what was published around an outage (held by the dying
+server, or sent before the receiver had subscribed again) is lost. The bus keeps what it published on the
+request streams (`subjects.REPLAYED`: tokens, events, cancels) for a while (bus_state.py) and, after a reconnect,
+publishes again everything from REPLAY_MARGIN_S before the loss on, twice (REPLAY_AFTER_S: once every peer has
+had time to reconnect): receivers drop what they already have, so a stream resumes where the outage cut it.
+A service waiting on a stream ends it with an error only when the bus stays down OUTAGE_GRACE_S, or when the
+stream stays silent RESUME_S after the reconnect (its messages were lost all the same).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -39,6 +53,19 @@ from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind
 
 from shared import codec, subjects, tracing
+from shared.bus_state import (
+    BUS_DOWN_ERRORS,
+    REPLAY_AFTER_S,
+    REPLAY_FLUSH_EVERY,
+    REPLAY_MARGIN_S,
+    RECONNECT_MAX_S,
+    ConnectionState,
+    RecentStreams,
+    describe,
+    next_server,
+    stream_replicas,
+)
+from shared.nats_urls import server_urls
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +78,7 @@ MAX_KEY_LENGTH = 256
 ERROR_HEADER = "Bus-Error"  # on a reply: the responder failed on the request; the value says why
 KEEPALIVE_FAILURES = 3  # in_progress() failing this many times in a row ends the job (nak) before ack_wait does
 STREAM_NAME_IN_USE = 10058  # JetStream's error code when add_stream loses a creation race
-
-
+CONSUMER_NOT_FOUND = 10014  # JetStream's error code for a consumer the server does not know (any more)
 class Retry(Exception):
     """Transient failure: redeliver the work message after `delay` seconds."""
 
@@ -95,32 +121,47 @@ class Envelope:
 
 
 class Bus:
-    def __init__(self, nc: NatsClient, name: str) -> None:
+    def __init__(self, nc: NatsClient, name: str, connection: ConnectionState | None = None, url: str = "") -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._name = name
+        self._url = url
+        self._connection = connection or ConnectionState(name)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._closing = False
+        self._recent = RecentStreams()
+        self._replays: set[asyncio.Future[None]] = set()  # not waited for by drain(): a closing bus replays nothing
+        self._connection.back_listeners.append(self._replay_soon)
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 5.0) -> Bus:
+        """`url`: one server or a comma-separated list (`server_urls`). Waits until a server answers (a service
+        started before its server waits for it); the connection is then kept forever."""
+        connection = ConnectionState(name)
         nc = await nats.connect(
-            servers=[url],
+            servers=server_urls(url),
             name=name,
             connect_timeout=connect_timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
             allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=RECONNECT_MAX_S,  # between first-connection attempts (reconnects: next_server)
+            reconnect_to_server_handler=next_server,
+            disconnected_cb=connection.disconnected,
+            reconnected_cb=connection.reconnected,
+            error_cb=connection.error,
         )
-        return cls(nc, name)
+        connection.established()
+        return cls(nc, name, connection, url)
 
     async def sibling(self, role: str) -> Bus:
-        """A second connection to the same server, for traffic that must not queue with this one's: bulk KV bytes
+        """A second connection to the same servers, for traffic that must not queue with this one's: bulk KV bytes
         on their own socket, so heartbeats, tokens and work acks never wait behind megabytes in one write buffer
         (each NATS connection also has its own pending limit at the server). The caller drains it."""
-        url = self._nc.connected_url
-        assert url is not None, "sibling of a bus that is not connected"
-        return await Bus.connect(url.geturl(), f"{self._name}-{role}")
+        url = self._url
+        if not url:  # a bus built around a test's own client
+            connected = self._nc.connected_url
+            assert connected is not None, "sibling of a bus that is not connected"
+            url = connected.geturl()
+        return await Bus.connect(url, f"{self._name}-{role}")
 
     @property
     def name(self) -> str:
@@ -132,13 +173,67 @@ class Bus:
         return self._nc.is_connected
 
     @property
+    def replicas(self) -> int:
+        """`stream_replicas` of the servers this connection knows: those given and those the cluster announced."""
+        return stream_replicas(len({uri.netloc for uri in self._nc.servers}))
+
+    @property
+    def losses(self) -> int:
+        """How many times the connection was lost so far."""
+        return self._connection.losses
+
+    def down_for(self) -> float:
+        """Seconds the connection has been down (0 while it is up)."""
+        lost_at = self._connection.lost_at
+        return time.monotonic() - lost_at if lost_at is not None else 0.0
+
+    @property
+    def back_at(self) -> float:
+        """Monotonic time of the last reconnect (0 if it never was lost)."""
+        return self._connection.back_at
+
+    def on_lost(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (synchronous, quick) each time the connection is lost, before any reconnect: whatever
+        waits on messages that may now never come should end now rather than time out."""
+        self._connection.lost_listeners.append(listener)
+
+    @property
     def max_payload(self) -> int:
         return self._nc.max_payload
 
     # --- core NATS ---------------------------------------------------------------------------------------------
 
     async def publish(self, subject: str, message: Any, *, trace: tracing.Context | None = None) -> None:
-        await self._nc.publish(subject, codec.encode(message), headers=tracing.inject(trace) or None)
+        data, headers = codec.encode(message), tracing.inject(trace) or None
+        if subject.startswith(subjects.REPLAYED):
+            self._recent.keep(time.monotonic(), subject, data, headers)
+        await self._nc.publish(subject, data, headers=headers)
+
+    def _replay_soon(self) -> None:
+        task = asyncio.ensure_future(self._replay(self._connection.last_lost_at - REPLAY_MARGIN_S))
+        self._replays.add(task)
+        task.add_done_callback(self._replays.discard)
+
+    async def _replay(self, since: float) -> None:
+        """Publish again what went out on the request streams since `since`, once peers are back (twice: a peer
+        whose reconnect took longer gets the second)."""
+        waited = 0.0
+        for after in REPLAY_AFTER_S:
+            await asyncio.sleep(after - waited)
+            waited = after
+            if not self.connected:
+                return  # lost again: the next reconnect replays
+            again = self._recent.since(since)
+            for n, (subject, data, headers) in enumerate(again, 1):
+                try:
+                    await self._nc.publish(subject, data, headers=headers)
+                    if n % REPLAY_FLUSH_EVERY == 0:  # stay under the client's pending-bytes limit
+                        await self._nc.flush()
+                except Exception as exc:  # lost again, or closing: the next reconnect replays
+                    log.debug("replay stopped: %r", exc)
+                    return
+            if again:
+                log.info("replayed %d stream messages sent since the bus outage began", len(again))
 
     async def request(
         self, subject: str, message: Any, reply_type: type[R], *, timeout: float = 5.0
@@ -170,10 +265,11 @@ class Bus:
                 log.warning("dropping bad message on %s: %s", msg.subject, exc)
                 return
             with tracing.handling(f"{self._name} {subject}", msg.headers, SpanKind.CONSUMER):
+                losses = self.losses
                 try:
                     await handler(message, Envelope(msg.subject, tracing.current()))
-                except Exception:
-                    log.exception("handler for %s failed", msg.subject)
+                except Exception as exc:
+                    self.handler_failed(f"handler for {msg.subject} failed", exc, losses)
 
         return Subscription(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
 
@@ -196,10 +292,11 @@ class Bus:
                     log.warning("bad request on %s: %s", msg.subject, exc)
                     await self._reply_error(msg, f"bad request: {exc}")
                     return
+                losses = self.losses
                 try:
                     reply = await handler(message)
                 except Exception as exc:
-                    log.exception("handler for %s failed", msg.subject)
+                    self.handler_failed(f"handler for {msg.subject} failed", exc, losses)
                     await self._reply_error(msg, f"{type(exc).__name__}: {exc}")
                     return
                 if msg.reply:
@@ -209,6 +306,14 @@ class Bus:
             self.spawn(respond(msg))
 
         return Subscription(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    def handler_failed(self, what: str, exc: Exception, losses_before: int) -> None:
+        """Log a handler's failure: with its traceback (a bug to look at), unless it failed because the bus went
+        down under it (the outage is already said once; a traceback per request would bury it)."""
+        if isinstance(exc, BUS_DOWN_ERRORS) or self.losses != losses_before or not self.connected:
+            log.warning("%s while the bus was down: %s", what, describe(exc))
+        else:
+            log.exception(what)
 
     async def _reply_error(self, msg: Msg, reason: str) -> None:
         if not msg.reply:
@@ -225,6 +330,7 @@ class Bus:
             subjects=[subjects.WORK_SUBJECTS],
             retention=RetentionPolicy.WORK_QUEUE,
             duplicate_window=120.0,
+            num_replicas=self.replicas,
         )
         try:
             await self._js.stream_info(subjects.WORK_STREAM)
@@ -261,8 +367,12 @@ class Bus:
             max_deliver=max_deliver,
             max_ack_pending=max(concurrency * 2, 16),
         )
-        psub = await self._js.pull_subscribe(subject, durable=durable, config=config)
-        queue = WorkQueue(self, psub, message_type, handler, concurrency, ack_wait)
+
+        async def bind() -> Any:
+            return await self._js.pull_subscribe(subject, durable=durable, config=config)
+
+        queue = WorkQueue(self, await bind(), message_type, handler, concurrency, ack_wait, rebind=bind,
+                          consumer=(subjects.WORK_STREAM, durable))
         queue.task = asyncio.create_task(queue.run())
         return queue
 
@@ -278,7 +388,8 @@ class Bus:
         """The bucket, created if missing; an existing one gets `ttl_s` (the newest setting wins, so a service
         restarted with another TTL applies it). Every entry expires `ttl_s` after its last write."""
         try:
-            kv = await self._js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1))
+            kv = await self._js.create_key_value(
+                KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, replicas=self.replicas))
         except BadRequestError:  # it exists with another configuration: keep its entries, change its max age
             stream = f"KV_{bucket}"
             info = await self._js.stream_info(stream)
@@ -297,9 +408,11 @@ class Bus:
 
     async def drain(self) -> None:
         """Stop taking messages, let handlers in flight finish, flush, close."""
-        if self._closing:
+        if self._connection.closing:
             return
-        self._closing = True
+        self._connection.closing = True
+        for replay in list(self._replays):
+            replay.cancel()
         try:
             await self._nc.drain()
         except Exception as exc:  # already closed or disconnected: nothing left to drain
@@ -319,9 +432,15 @@ class WorkQueue:
         handler: Callable[[Any, Envelope], Awaitable[None]],
         concurrency: int,
         ack_wait: float,
+        rebind: Callable[[], Awaitable[Any]] | None = None,
+        consumer: tuple[str, str] | None = None,
     ) -> None:
         self._bus = bus
         self._psub = psub
+        self._rebind = rebind  # a new pull subscription on a consumer made again (the server lost the old one)
+        self._consumer = consumer  # (stream, durable) of that consumer
+        self._losses = bus.losses  # connection losses seen: after each, check the consumer is still there
+        self._failing = ""  # the fetch failure being reported (logged once until fetches work again)
         self._type = message_type
         self._handler = handler
         self._slots = asyncio.Semaphore(concurrency)
@@ -338,22 +457,74 @@ class WorkQueue:
                 await self._slots.acquire()
                 self._slots.release()
                 continue
+            if not self._bus.connected:  # reconnecting: a fetch now would only time out, or fail, again and again
+                await asyncio.sleep(0.1)
+                continue
+            if self._losses != self._bus.losses:
+                if not await self._check_consumer():
+                    await asyncio.sleep(0.2)
+                    continue
+                self._losses = self._bus.losses
             try:
                 msgs = await self._psub.fetch(batch=free, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                self._recovered()
                 continue  # nothing to do (a busy process may see the plain asyncio timeout instead)
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
                 return
             except Exception as exc:
                 if self._stopped:
                     return
-                log.warning("fetch failed: %r", exc)
-                await asyncio.sleep(0.5)
+                await self._fetch_failed(exc)
                 continue
+            self._recovered()
             for msg in msgs:
                 await self._slots.acquire()
                 self._running += 1
                 self._bus.spawn(self._handle(msg))
+
+    async def _fetch_failed(self, exc: Exception) -> None:
+        """A fetch that failed with the connection up: JetStream not ready yet (a server just restarted), or the
+        consumer gone (a server restarted without its store, or someone deleted it), which `_check_consumer`
+        tells apart."""
+        what = f"{type(exc).__name__}: {exc}"
+        if what != self._failing:
+            log.warning("fetch failed: %s", what)
+            self._failing = what
+        if not await self._check_consumer():
+            await asyncio.sleep(0.5)
+
+    async def _check_consumer(self) -> bool:
+        """After a reconnect or a failed fetch: bind a new consumer if the server no longer has ours. True once
+        the consumer is known to be there (or bound again), False if JetStream cannot tell yet."""
+        if self._consumer is None or self._rebind is None:
+            return True
+        stream, durable = self._consumer
+        try:
+            await self._bus._js.consumer_info(stream, durable)
+            return True
+        except NotFoundError:  # the stream or the consumer
+            pass
+        except Exception as exc:  # JetStream not answering yet
+            log.debug("consumer_info: %r", exc)
+            return False
+        try:
+            await self._bus.ensure_work_stream()
+            old, self._psub = self._psub, await self._rebind()
+        except Exception as exc:
+            log.debug("rebind failed: %r", exc)
+            return False
+        log.warning("bound the work queue to a new consumer %s", durable)
+        try:
+            await old.unsubscribe()
+        except Exception as exc:
+            log.debug("unsubscribe: %s", exc)
+        return True
+
+    def _recovered(self) -> None:
+        if self._failing:
+            log.warning("fetch works again")
+            self._failing = ""
 
     async def _handle(self, msg: Msg) -> None:
         work = asyncio.ensure_future(self._process(msg))
@@ -377,6 +548,7 @@ class WorkQueue:
     async def _process(self, msg: Msg) -> None:
         try:
             with tracing.handling(f"{self._bus.name} {msg.subject}", msg.headers, SpanKind.CONSUMER):
+                losses = self._bus.losses
                 try:
                     message = codec.decode(self._type, msg.data)
                     await self._handler(message, Envelope(msg.subject, tracing.current()))
@@ -386,8 +558,8 @@ class WorkQueue:
                 except Retry as exc:
                     log.info("retrying work message on %s in %.1fs: %s", msg.subject, exc.delay, exc)
                     await msg.nak(delay=exc.delay)
-                except Exception:
-                    log.exception("work handler on %s failed; redelivering", msg.subject)
+                except Exception as exc:
+                    self._bus.handler_failed(f"work handler on {msg.subject} failed (redelivering)", exc, losses)
                     await msg.nak(delay=1.0)
                 else:
                     await msg.ack()

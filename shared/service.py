@@ -16,6 +16,7 @@ from typing import Protocol
 
 from shared import subjects, tracing
 from shared.bus import Bus
+from shared.nats_urls import server_urls
 from shared.config import ServiceConfig, add_common_args, common_config
 from shared.logs import setup_logging
 from shared.schemas.health import HealthReply, HealthRequest
@@ -73,6 +74,7 @@ def main(
     args = parser.parse_args(argv)
     try:
         config = common_config(args)
+        server_urls(config.nats_url)  # a comma-separated list: every member a URL
         service = build(config, args)
     except ValueError as exc:  # bad flags: a usage error, not a traceback
         parser.error(str(exc))

@@ -45,6 +45,7 @@ KV_PUT_SHM = "kv.put.shm"  # KvPutShm -> KvShmReply: kv.put.batch, the bytes thr
 KV_DELETE = "kv.delete"
 KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
 BALANCER_STATS = "balancer.stats"  # BalancerStats -> BalancerStatsReply, for /metrics (the same way)
+LAUNCHER_STATS = "launcher.stats"  # LauncherStats -> LauncherStatsReply: what `deepinfer up` supervises, for /metrics
 
 
 def kv_snapshot(source: str) -> str:
@@ -84,6 +85,11 @@ def tokens(request_id: str) -> str:
 
 def events(request_id: str) -> str:
     return f"events.{request_id}"
+
+
+# Published again after a bus outage (shared/bus.py: replay): each receiver drops what it already has (tokens by
+# index, events by seq; a cancel twice is a cancel), so a stream resumes where the outage cut it.
+REPLAYED = ("tokens.", "events.", CANCEL, WORKER_DONE)
 
 
 # JetStream key-value buckets.

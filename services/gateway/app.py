@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from services.gateway import balancer_metrics, kv_metrics
+from services.gateway import balancer_metrics, kv_metrics, launcher_metrics
 from services.gateway.config import GatewayConfig
 from services.gateway.fleet import Fleet
 from services.gateway.fleet_metrics import FleetCollector
@@ -37,7 +37,7 @@ def build_app(
     metrics = Metrics()
     fleet = Fleet()
     readiness = Readiness(fleet, models, clock)
-    scrapes = [kv_metrics.scraper(bus), balancer_metrics.scraper(bus)]
+    scrapes = [kv_metrics.scraper(bus), balancer_metrics.scraper(bus), launcher_metrics.scraper(bus)]
     metrics.register([FleetCollector(fleet, models, clock), *scrapes])
     app = web.Application(
         client_max_size=config.max_body_bytes,

@@ -20,11 +20,13 @@ from shared.api_errors import anthropic_error_body, openai_error_body, sse_error
 class ApiError(Exception):
     """Bad input or an unavailable mesh: answered with `status` and a body in the API's error format."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.headers = headers or {}  # e.g. Retry-After on a 503
 
 
 class ErrorFormat(Protocol):
@@ -58,6 +60,16 @@ class AnthropicErrors:
         return sse_error_frame(body, named=True)
 
 
+BUS_DOWN_RETRY_AFTER_S = 2  # a restarted bus server is found again within about this long (shared/bus.py)
+
+
+def bus_down() -> ApiError:
+    """A request that arrives while the gateway has no bus connection: it could reach no one, so a 503 at once
+    rather than after the recipe's timeout."""
+    return ApiError(503, "the gateway has no connection to the message bus right now; try again shortly",
+                    headers={"Retry-After": str(BUS_DOWN_RETRY_AFTER_S)})
+
+
 OPENAI = OpenAIErrors()
 RESPONSES = ResponsesErrors()
 ANTHROPIC = AnthropicErrors()
@@ -68,4 +80,4 @@ def json_response(status: int, body: bytes, headers: dict[str, str] | None = Non
 
 
 def error_response(errors: ErrorFormat, error: ApiError, headers: dict[str, str] | None = None) -> web.Response:
-    return json_response(error.status, errors.body(error), headers)
+    return json_response(error.status, errors.body(error), {**error.headers, **(headers or {})} or None)

@@ -62,8 +62,11 @@ class EventPump:
         self._aborted: PumpAborted | None = None
         self._sub: Subscription | None = None
         self.meter: RequestMeter | None = None  # set once the request is accepted: sees each event handed out
+        self.losses = 0  # the bus's losses when this request last heard an event (or opened)
+        self.last_event_at = time.monotonic()
 
     async def open(self, bus: Bus) -> None:
+        self.losses = bus.losses
         self._sub = await bus.subscribe(subjects.events(self.request_id), ApiEvent, self._on_event)
 
     async def close(self) -> None:

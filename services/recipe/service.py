@@ -6,8 +6,9 @@
                                 --events.<rid>--> gateway;  --requests.cancel--> workers (stop string hit)
     anyone --requests.cancel--> on_cancel(): drop the request's state
 
-Per-request state (a Flight and its token subscription) ends on finish, on cancel, or after `ttl_s` without
-a token event (the client then gets a 504 and the workers a Cancel). A Responses request created with `store`
+Per-request state (a Flight and its token subscription) ends on finish, on cancel, after `ttl_s` without
+a token event (the client then gets a 504 and the workers a Cancel), or when the bus stays down OUTAGE_GRACE_S
+(a 503 and a Cancel; a shorter outage costs nothing: shared/bus.py replays the token streams). A Responses request created with `store`
 is kept (responses_store.py) before its last event goes out, so the client can continue from it at once.
 Questions that generate nothing (tokenize, models, stored responses) are answered by `queries.Queries`.
 """
@@ -18,7 +19,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any
 
 import orjson
 
@@ -37,6 +39,7 @@ from services.recipe.queries import Queries
 from services.recipe.responses_store import ResponseStore, StoreIntent, annotate
 from shared import subjects
 from shared.bus import Bus, Envelope, Subscription
+from shared.bus_state import OUTAGE_GRACE_S
 from shared.json_depth import depth_message
 from shared.presence import announce_forever
 from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
@@ -46,6 +49,7 @@ from shared.schemas.responses import StoredResponse
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0  # see _emit
+BUS_LOST = "the mesh lost its message bus connection while the request was in flight; try again"
 
 SEED_BITS = 63  # drawn seeds fit a signed int64 everywhere they travel
 
@@ -63,6 +67,7 @@ def _overloaded(api: str, refusal: Refusal) -> PrepareReply:
 
 class RecipeService:
     name = "recipe"
+    outage_grace_s = OUTAGE_GRACE_S  # a bus down this long ends the requests in flight
 
     def __init__(
         self, model_specs: Sequence[str], *, ttl_s: float = RecipeConfig.request_ttl_s,
@@ -118,6 +123,7 @@ class RecipeService:
         bucket = await bus.key_value(subjects.RESPONSES_BUCKET, StoredResponse, ttl_s=self._response_ttl_s)
         self._responses = ResponseStore(bucket)
         self._cancel_sub = await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
+        bus.on_lost(self._on_bus_lost)
         self._prepare_sub = await bus.serve(
             subjects.RECIPE_PREPARE, PrepareRequest, self.prepare, queue=subjects.RECIPE_GROUP
         )
@@ -313,6 +319,38 @@ class RecipeService:
             return  # one worker letting go of a request that moved on: the request itself goes on
         if self._drop(cancel.request_id):
             log.info("%s cancelled: %s", cancel.request_id, cancel.reason)
+
+    def _on_bus_lost(self) -> None:
+        """A short outage costs the flights nothing (their tokens are replayed once the bus is back); one that
+        lasts `outage_grace_s` ends those that were waiting, freeing their admission places rather than after
+        ttl_s (their errors reach a gateway that still waits, their Cancels the workers, once reconnected)."""
+        if self._flights:
+            self._spawn(self._end_if_still_down(list(self._flights)))
+
+    async def _end_if_still_down(self, rids: list[str]) -> None:
+        await asyncio.sleep(self.outage_grace_s)
+        if self._bus is not None and not self._bus.connected:
+            self._end_flights(rids)
+
+    def _end_flights(self, rids: list[str]) -> None:
+        flights = [f for rid in rids if (f := self._flights.get(rid)) is not None]
+        if flights:
+            log.warning("ending %d requests in flight: the bus is still down", len(flights))
+        for flight in flights:
+            self._spawn(self._end_lost(flight))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _end_lost(self, flight: Flight) -> None:
+        if self._flights.get(flight.request_id) is not flight:
+            return  # it ended meanwhile
+        try:
+            await self._emit(flight, flight.fail(503, BUS_LOST, "bus lost"))
+        except Exception as exc:  # the reconnect buffer is full or the connection closed: the state is gone anyway
+            log.debug("%s: could not send its end: %r", flight.request_id, exc)
 
     def _drop(self, rid: str) -> bool:
         """End a request's state. Unsubscribing runs as its own task: it may be called from inside the token

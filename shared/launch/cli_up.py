@@ -16,6 +16,7 @@ from services.gateway.config import GatewayConfig
 from services.recipe.config import RecipeConfig
 from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS, HelpFormatter, ServiceConfig
 from shared.config import default_of, model_names
+from shared.nats_urls import server_urls
 from shared.logs import LOG_FORMATS
 from shared.worker.config import WorkerConfig
 
@@ -86,7 +87,9 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     run = p.add_argument_group("running")
     run.add_argument("--state-dir", default=str(default_of(ServiceConfig, "state_dir")),
                      help="NATS, KV store and logs live here (one `up` at a time)")
-    run.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    run.add_argument("--nats-url", default=None,
+                     help="use this NATS server instead of starting one; several, comma-separated, for the members "
+                          "of a NATS cluster (the services move to another when one fails)")
     run.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every service")
     run.add_argument("--log-format", choices=LOG_FORMATS, default=default_of(ServiceConfig, "log_format"),
                      help="the services' logs: text, or one JSON object per line")
@@ -152,6 +155,8 @@ def _check_values(args: argparse.Namespace) -> None:
     for flag in ("--client-idle-timeout", "--client-header-timeout", "--client-body-timeout"):
         if (value := getattr(args, flag[2:].replace("-", "_"))) <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    if args.nats_url is not None:
+        server_urls(args.nats_url)
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
     share, workers = args.gpu_memory_utilization, args.prefill_workers + args.decode_workers

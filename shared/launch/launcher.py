@@ -8,6 +8,11 @@ Children die with the launcher even if it is killed outright (PR_SET_PDEATHSIG).
 
 Before it starts anything it locks the state dir, checks the gateway's port and reads the model's metadata
 (shared/launch/preflight.py); a child that dies is reported with its own last error line, from its log.
+
+Once up, whatever dies is started again, nats-server included (on the port kept in the state dir, with its
+JetStream store, so every service's connection finds it again): at once the first time, with a growing delay
+when it keeps dying (shared/launch/backoff.py). A crash loop degrades the stack, it does not stop it: the rest
+serves on, the loop is said on the launcher's output and answered on `launcher.stats` (the gateway's /metrics).
 """
 
 from __future__ import annotations
@@ -23,16 +28,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared import subjects
 from shared.launch import cli_up, natsserver
+from shared.launch.backoff import STABLE_S, RestartPolicy
 from shared.bus import Bus, BusTimeout
 from shared.launch.preflight import PreflightError, check_model, check_port, lock_state_dir
 from shared.launch.process import die_with_parent
 from shared.schemas.health import HealthReply, HealthRequest
+from shared.schemas.launcher import LauncherStats, LauncherStatsReply, ProcessState
 from shared.service import health_subject
 
 STOP_ORDER = ["gateway", "recipe", "balancer", "prefill", "decode", "kvcache"]
-MAX_RESTARTS = 5  # a service that exits more often than this in RESTART_WINDOW_S stops the stack
-RESTART_WINDOW_S = 60.0
+SUPERVISE_EVERY_S = 0.5
 
 
 @dataclass
@@ -46,7 +53,9 @@ class Child:
     log_offset: int = 0  # where the log of the current run starts (logs are appended to across restarts)
     detail: str = "starting"
     ready: bool = False
-    restarts: list[float] = field(default_factory=list)  # monotonic times it was restarted at
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    started_at: float = 0.0  # monotonic time of the current run's start
+    restart_at: float | None = None  # dead and backing off: start it again at this monotonic time
 
 
 @dataclass
@@ -108,6 +117,7 @@ def spawn(child: Child) -> None:
         child.argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=env
     )
     log.close()
+    child.started_at, child.restart_at = time.monotonic(), None
 
 
 def stop_all(children: list[Child], timeout: float = 15.0) -> None:
@@ -122,57 +132,149 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
                 child.process.wait()
 
 
-def supervise(child: Child) -> None:
+def supervise(child: Child, now: float | None = None) -> None:
     """Restart a service that died once the stack was up (as compose's `restart: unless-stopped` does): the
-    mesh is built to ride that out (a dead kvcache reads as misses, a dead worker's jobs are redelivered);
-    a service that keeps dying stops the stack."""
+    mesh is built to ride that out (a dead kvcache reads as misses, a dead worker's jobs are redelivered).
+    One that keeps dying is restarted with a growing delay while the rest serves on (backoff.py)."""
+    now = time.monotonic() if now is None else now
+    if child.restart_at is not None:
+        if now >= child.restart_at:
+            spawn(child)
+        return
     assert child.process is not None
     code = child.process.poll()
     if code is None:
+        if child.restarts.settle(child.started_at, now):
+            print(f"{child.instance} has run {STABLE_S:.0f} s since its last restart: out of its crash loop",
+                  flush=True)
         return
-    now = time.monotonic()
-    child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
-    if len(child.restarts) >= MAX_RESTARTS:
-        raise RuntimeError(f"{child.instance} exited with code {code}, {MAX_RESTARTS} times within "
-                           f"{RESTART_WINDOW_S:.0f} s{why_it_died(child)}")
-    print(f"{child.instance} exited with code {code}; restarting it{why_it_died(child)}", flush=True)
-    child.restarts.append(now)
-    spawn(child)
+    wait = child.restarts.died(child.started_at, now)
+    print(f"{child.instance} exited with code {code}; {restart_note(child.restarts, wait)}{why_it_died(child)}",
+          flush=True)
+    if wait > 0:
+        child.restart_at = now + wait
+    else:
+        spawn(child)
 
 
-async def wait_ready(plan: Plan, nats_url: str, timeout: float) -> None:
-    bus = await Bus.connect(nats_url, "launcher")
-    deadline = time.monotonic() + timeout
-    shown = ""
+def restart_note(policy: RestartPolicy, wait: float) -> str:
+    if policy.crash_looping():
+        return (f"crash loop ({policy.streak} quick exits in a row): restarting it in {wait:g} s, the rest of the "
+                f"mesh serves on")
+    return f"restarting it in {wait:g} s" if wait > 0 else "restarting it"
+
+
+@dataclass
+class SupervisedNats:
+    """The nats-server `up` started, restarted like a service when it dies (on its port, with its store)."""
+
+    server: natsserver.NatsServer
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    started_at: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.restart_at is None and self.server.process.poll() is None
+
+
+def supervise_nats(nats: SupervisedNats, now: float) -> None:
+    if nats.restart_at is None:
+        code = nats.server.process.poll()
+        if code is None:
+            if nats.restarts.settle(nats.started_at, now):
+                print(f"nats-server has run {STABLE_S:.0f} s since its last restart: out of its crash loop",
+                      flush=True)
+            return
+        wait = nats.restarts.died(nats.started_at, now)
+        print(f"nats-server exited with code {code}; {restart_note(nats.restarts, wait)} on {nats.server.url} "
+              f"(log: {nats.server.log_file})", flush=True)
+        nats.restart_at = now + wait
+    if now < nats.restart_at:
+        return
     try:
-        while True:
-            for child in plan.children:
-                assert child.process is not None
-                if child.process.poll() is not None:
-                    raise RuntimeError(
-                        f"{child.instance} exited with code {child.process.returncode}{why_it_died(child)}"
-                    )
-                if child.ready:
-                    continue
-                try:
-                    reply = await bus.request(
-                        health_subject(child.service, child.instance), HealthRequest(), HealthReply, timeout=1.0
-                    )
-                    child.ready, child.detail = reply.ready, reply.detail
-                except BusTimeout:
-                    child.detail = "starting"
-            waiting = [f"{c.instance} ({c.detail})" for c in plan.children if not c.ready]
-            if not waiting:
-                return
-            line = "waiting for: " + ", ".join(waiting)
-            if line != shown:
-                print(line, flush=True)
-                shown = line
-            if time.monotonic() > deadline:
-                raise TimeoutError(line)
-            await asyncio.sleep(0.5)
+        # On this thread, not a worker thread: PR_SET_PDEATHSIG fires when the *thread* that started a child
+        # ends, so a server started from a pool thread would die with that thread. It waits (< 15 s) until the
+        # server listens; nothing else needs supervising meanwhile.
+        nats.server.restart()
+    except (RuntimeError, TimeoutError, OSError) as exc:  # e.g. its port taken meanwhile: try again later
+        wait = nats.restarts.died(now, time.monotonic())
+        nats.restart_at = time.monotonic() + max(wait, 1.0)
+        print(f"nats-server did not start again: {exc}; next try in {max(wait, 1.0):g} s", flush=True)
+        return
+    nats.started_at, nats.restart_at = time.monotonic(), None
+    print(f"nats-server is back on {nats.server.url}", flush=True)
+
+
+def stats(plan: Plan, nats: SupervisedNats | None, now: float) -> LauncherStatsReply:
+    processes = [
+        ProcessState(c.instance, c.service, running=c.restart_at is None and c.process is not None
+                     and c.process.poll() is None, restarts=c.restarts.total,
+                     crash_looping=c.restarts.crash_looping(),
+                     restart_in_s=round(max(0.0, c.restart_at - now), 1) if c.restart_at is not None else 0.0)
+        for c in plan.children
+    ]
+    if nats is not None:
+        processes.append(ProcessState("nats-server", "nats", nats.running, nats.restarts.total,
+                                      nats.restarts.crash_looping()))
+    return LauncherStatsReply("launcher", processes)
+
+
+async def serve(plan: Plan, nats: SupervisedNats | None, bus: Bus) -> None:
+    """Supervise every process until cancelled (Ctrl-C, SIGTERM); answer `launcher.stats` meanwhile."""
+
+    async def on_stats(_: LauncherStats) -> LauncherStatsReply:
+        return stats(plan, nats, time.monotonic())
+
+    await bus.serve(subjects.LAUNCHER_STATS, LauncherStats, on_stats)
+    while True:
+        now = time.monotonic()
+        for child in plan.children:
+            supervise(child, now)
+        if nats is not None:
+            supervise_nats(nats, now)
+        await asyncio.sleep(SUPERVISE_EVERY_S)
+
+
+async def up(plan: Plan, nats: SupervisedNats | None, nats_url: str, timeout: float, banner: str) -> None:
+    bus = await Bus.connect(nats_url, "launcher")
+    try:
+        await wait_ready(plan, bus, timeout)
+        print(banner, flush=True)
+        await serve(plan, nats, bus)
     finally:
         await bus.drain()
+
+
+async def wait_ready(plan: Plan, bus: Bus, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    shown = ""
+    while True:
+        for child in plan.children:
+            assert child.process is not None
+            if child.process.poll() is not None:
+                raise RuntimeError(
+                    f"{child.instance} exited with code {child.process.returncode}{why_it_died(child)}"
+                )
+            if child.ready:
+                continue
+            try:
+                reply = await bus.request(
+                    health_subject(child.service, child.instance), HealthRequest(), HealthReply, timeout=1.0
+                )
+                child.ready, child.detail = reply.ready, reply.detail
+            except BusTimeout:
+                child.detail = "starting"
+        waiting = [f"{c.instance} ({c.detail})" for c in plan.children if not c.ready]
+        if not waiting:
+            return
+        line = "waiting for: " + ", ".join(waiting)
+        if line != shown:
+            print(line, flush=True)
+            shown = line
+        if time.monotonic() > deadline:
+            raise TimeoutError(line)
+        await asyncio.sleep(0.5)
 
 
 def why_it_died(child: Child) -> str:
@@ -263,25 +365,21 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # also when started in the background, where SIGINT starts ignored
-    server = None
+    nats: SupervisedNats | None = None
     plan = Plan()
     try:
         if args.nats_url:
             nats_url = args.nats_url
         else:
-            server = natsserver.start(state_dir / "nats", log_file=state_dir / "nats.log")
-            nats_url = server.url
+            store = state_dir / "nats"
+            server = natsserver.start(store, port=natsserver.persisted_port(store), log_file=state_dir / "nats.log")
+            nats, nats_url = SupervisedNats(server), server.url
             print(f"nats-server with JetStream on {nats_url}", flush=True)
         plan = build_plan(args, state_dir, nats_url)
         for child in plan.children:
             spawn(child)
         print(f"started {len(plan.children)} services; logs in {state_dir / 'logs'}", flush=True)
-        asyncio.run(wait_ready(plan, nats_url, args.ready_timeout))
-        print(how_to_call(args, model_name), flush=True)
-        while True:
-            for child in plan.children:
-                supervise(child)
-            time.sleep(0.5)
+        asyncio.run(up(plan, nats, nats_url, args.ready_timeout, how_to_call(args, model_name)))
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
         return 0
@@ -292,8 +390,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop_all(plan.children)
-        if server is not None:
-            server.stop()
+        if nats is not None:
+            nats.server.stop()
         lock.close()
         if stopping:
             print("stopped", flush=True)

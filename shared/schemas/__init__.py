@@ -14,10 +14,11 @@ against these dataclasses where a message arrives).
     prefill/decode (and gateway) -> kvcache  kv.py         KvLookup, KvGet, KvPut, KvGetRun, KvPutBatch, KvPutShm,
                                                            KvGetRunShm, KvDelete and their replies; KvStats ->
                                                            KvStatsReply (KvTierStats), for /metrics
-    decode -> prefill (the KV hand-over)     kv_peer.py    KvPeerPull -> KvPeerReply; KvPeerDone
+    decode -> prefill (the KV hand-over)     kv_peer.py    KvPeerPull -> KvPeerReply (KvPeerShm); KvPeerDone
     caches -> balancer (who holds what)      events.py     KvEvent; KvSnapshotRequest -> KvSnapshot
     gateway -> balancer                      balancer.py   BalancerStats -> BalancerStatsReply, for /metrics
     launcher -> every service; -> gateway    health.py     HealthRequest -> HealthReply; Presence
+    gateway -> launcher                      launcher.py   LauncherStats -> LauncherStatsReply (ProcessState)
     recipe -> JetStream KV (not a message)   responses.py  StoredResponse
 
 Subjects are in shared/subjects.py.

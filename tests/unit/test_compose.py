@@ -126,22 +126,35 @@ def test_docker_compose_accepts_the_file(profiles: list[str]) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_a_dead_service_is_restarted_until_it_keeps_dying(tmp_path: Path) -> None:
-    import sys
-    import time
-
-    import pytest
-
-    from shared.launch.launcher import MAX_RESTARTS, Child, spawn, supervise
+def test_a_service_that_keeps_dying_is_backed_off_and_never_stops_the_stack(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shared.launch.backoff import CRASH_LOOP_EXITS, MAX_DELAY_S
+    from shared.launch.launcher import Child, spawn, supervise
 
     child = Child("kvcache", "kvcache-0", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "k.log")
     spawn(child)
-    for restart in range(MAX_RESTARTS):
+    now = child.started_at
+    waits = []
+    for _ in range(CRASH_LOOP_EXITS + 6):
+        child.started_at = now  # the run began on the test's clock
         child.process.wait()
-        first = child.process
-        supervise(child)  # exited: a new process in its place
-        assert child.process is not first and len(child.restarts) == restart + 1
+        dead = child.process
+        supervise(child, now)
+        if child.restart_at is None:  # restarted at once
+            waits.append(0.0)
+        else:
+            wait = child.restart_at - now
+            waits.append(wait)
+            supervise(child, now + wait / 2)
+            assert child.process is dead  # still backing off
+            now += wait
+            supervise(child, now)
+        assert child.process is not dead and child.restart_at is None
+    assert waits[:4] == [0.0, 1.0, 2.0, 4.0] and waits[-1] == MAX_DELAY_S
+    assert child.restarts.crash_looping() and child.restarts.total == len(waits)
+    said = capsys.readouterr().out
+    assert "kvcache-0 exited with code 3; restarting it" in said
+    assert f"crash loop ({CRASH_LOOP_EXITS} quick exits in a row): restarting it in" in said
+    assert "the rest of the mesh serves on" in said
     child.process.wait()
-    with pytest.raises(RuntimeError, match="kvcache-0 exited with code 3"):
-        supervise(child)
-    assert time.monotonic() - child.restarts[0] < 60

@@ -26,6 +26,11 @@ class FakeBus:
     """Just enough of `Bus`: `request` runs `answer`, publishes are recorded."""
 
     connected = True
+    losses = 0  # the bus's outage state, as shared.bus.Bus reports it: never lost
+    back_at = 0.0
+
+    def down_for(self) -> float:
+        return 0.0
 
     def __init__(self, answer: Callable[[], Any] = no_recipe) -> None:
         self.answer = answer
@@ -140,3 +145,76 @@ async def test_auxiliary_routes_without_a_recipe() -> None:
             resp = await client.request(method, path, data=b"{}")
             assert resp.status == 503 and (await resp.json())["error"]["type"] == "server_error"
         assert (await client.post("/tokenize", data=b"[1]")).status == 400
+
+
+class DownBus(FakeBus):
+    connected = False
+
+
+async def test_a_request_while_the_bus_is_down_is_a_503_at_once_in_api_format() -> None:
+    bus = DownBus(lambda: pytest.fail("nothing may be asked while the bus is down"))
+    app = build_app(bus, GatewayConfig(request_timeout_s=600), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 3, "messages": []})
+        assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+        body = await resp.json()
+        assert body["type"] == "error" and "no connection to the message bus" in body["error"]["message"]
+        resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+        assert resp.status == 503 and "message bus" in (await resp.json())["error"]["message"]
+        assert (await client.post("/v1/messages/count_tokens", json={"model": "m"})).status == 503
+        assert (await client.post("/tokenize", json={"prompt": "x"})).status == 503
+        assert (await client.get("/health")).status == 503  # and readiness says why
+    assert bus.published == []  # nothing was launched, so there is nothing to cancel
+
+
+class OutageBus(SilentStreamBus):
+    """A stream that starts, then the bus goes down (or comes back) as the test says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = 0.0
+
+    def down_for(self) -> float:
+        return self.down
+
+
+@pytest.mark.parametrize("outage", ["down past the grace", "back but the stream stays silent"])
+async def test_a_stream_the_bus_cannot_bring_ends_with_a_last_error_frame(outage: str) -> None:
+    import asyncio
+    import time
+
+    from shared.bus_state import OUTAGE_GRACE_S, RESUME_S
+
+    bus = OutageBus()
+    app = build_app(bus, GatewayConfig(event_timeout_s=600), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+        assert resp.status == 200
+        assert await resp.content.readexactly(len(CREATED)) == CREATED  # the stream runs, then falls silent
+        if outage == "down past the grace":
+            bus.down = OUTAGE_GRACE_S + 1
+        else:  # lost, and back long enough ago that its replays would have come
+            bus.losses, bus.back_at = 1, time.monotonic() - RESUME_S - 1
+        rest = await asyncio.wait_for(resp.content.read(), 30)  # (a bound on a hang, not a timing assertion)
+        error = orjson.loads(rest.split(b"data: ", 1)[1])
+        assert rest.startswith(b"event: error\n") and "message bus was lost" in error["error"]["message"]
+    assert [m.reason for m in bus.published] == ["bus lost"]
+
+
+async def test_a_stream_that_resumes_after_an_outage_goes_on() -> None:
+    import asyncio
+    import time
+
+    bus = OutageBus()
+    app = build_app(bus, GatewayConfig(event_timeout_s=600), ["m"])  # type: ignore[arg-type]
+    async with test_utils.TestClient(test_utils.TestServer(app)) as client:
+        resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+        assert await resp.content.readexactly(len(CREATED)) == CREATED
+        bus.losses, bus.back_at = 1, time.monotonic()  # an outage just ended: its replays are on their way
+        await asyncio.sleep(0.6)  # a poll of the pump passes
+        assert bus._on_event is not None
+        done = ApiEvent("", 1, [b"data: [DONE]\n\n"], done=True)
+        await bus._on_event(done, None)  # the replayed end arrives
+        rest = await asyncio.wait_for(resp.content.read(), 30)
+        assert rest == b"data: [DONE]\n\n"
+    assert bus.published == []  # it finished: nothing to cancel

@@ -26,6 +26,11 @@ class RefusingBus:
     """Just enough of `Bus`: the recipe refuses every request (so a request that got through is a 422)."""
 
     connected = True
+    losses = 0  # the bus's outage state, as shared.bus.Bus reports it: never lost
+    back_at = 0.0
+
+    def down_for(self) -> float:
+        return 0.0
 
     async def subscribe(self, *args: Any, **kwargs: Any) -> None:
         return None

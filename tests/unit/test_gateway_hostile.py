@@ -23,6 +23,11 @@ class RecordingBus:
     """Just enough of `Bus`: every request is answered by a recipe that refuses it, and recorded."""
 
     connected = True
+    losses = 0  # the bus's outage state, as shared.bus.Bus reports it: never lost
+    back_at = 0.0
+
+    def down_for(self) -> float:
+        return 0.0
 
     def __init__(self) -> None:
         self.requests: list[Any] = []

@@ -24,6 +24,7 @@ from shared.schemas.gateway import ApiEvent, PrepareReply
 from shared.schemas.kv import KvStatsReply, KvTierStats
 from shared.schemas.health import Presence
 from shared.schemas.workers import Heartbeat
+from shared.schemas.launcher import LauncherStatsReply, ProcessState
 
 MODEL = "m"
 
@@ -67,6 +68,10 @@ class StubBus:
         self.asked: list[str] = []
         self.handlers: dict[str, Callable[..., Any]] = {}
         self.connected = True
+        self.losses, self.back_at = 0, 0.0  # the bus's outage state: never lost
+
+    def down_for(self) -> float:
+        return 0.0
 
     async def subscribe(self, subject: str, message_type: Any, handler: Callable[..., Any], **kwargs: Any) -> None:
         self.handlers[subject] = handler
@@ -113,7 +118,7 @@ async def scrape(app: Any) -> tuple[dict[str, Any], str]:
 async def test_kvcache_and_balancer_statistics_and_their_absence() -> None:
     bus = StubBus({subjects.KV_STATS: KV, subjects.BALANCER_STATS: BALANCER})
     parsed, _ = await scrape(build_app(bus, GatewayConfig(), [MODEL]))  # type: ignore[arg-type]
-    assert sorted(bus.asked) == sorted([subjects.KV_STATS, subjects.BALANCER_STATS])
+    assert sorted(bus.asked) == sorted([subjects.KV_STATS, subjects.BALANCER_STATS, subjects.LAUNCHER_STATS])
     assert value(parsed, "deepinfer_kvcache_up") == 1 and value(parsed, "deepinfer_balancer_up") == 1
     assert value(parsed, "deepinfer_kvcache_tier_hits_total", instance="kvcache-0", tier="ram") == 7
     assert value(parsed, "deepinfer_kvcache_tier_corrupt_total", tier="ssd") == 1
@@ -143,6 +148,24 @@ async def test_kvcache_and_balancer_statistics_and_their_absence() -> None:
         assert value(parsed, "deepinfer_kvcache_up") == 0 and value(parsed, "deepinfer_balancer_up") == 0
         assert 'tier="ssd"' not in text and "deepinfer_balancer_routed" not in text
         assert value(parsed, "deepinfer_gateway_requests_in_flight") == 0
+
+
+async def test_the_launchers_processes_and_a_crash_loop() -> None:
+    reply = LauncherStatsReply("launcher", [
+        ProcessState("decode-0", "decode", running=False, restarts=6, crash_looping=True, restart_in_s=8.0),
+        ProcessState("nats-server", "nats", running=True, restarts=1, crash_looping=False),
+    ])
+    bus = StubBus({subjects.LAUNCHER_STATS: reply})
+    parsed, _ = await scrape(build_app(bus, GatewayConfig(), [MODEL]))  # type: ignore[arg-type]
+    assert value(parsed, "deepinfer_launcher_up") == 1
+    assert value(parsed, "deepinfer_process_crash_looping", instance="decode-0", service="decode") == 1
+    assert value(parsed, "deepinfer_process_running", instance="decode-0") == 0
+    assert value(parsed, "deepinfer_process_restarts_total", instance="decode-0") == 6
+    assert value(parsed, "deepinfer_process_restart_in_seconds", instance="decode-0") == 8
+    assert value(parsed, "deepinfer_process_running", instance="nats-server", service="nats") == 1
+    assert value(parsed, "deepinfer_process_crash_looping", instance="nats-server") == 0
+    parsed, text = await scrape(build_app(StubBus(), GatewayConfig(), [MODEL]))  # type: ignore[arg-type]
+    assert value(parsed, "deepinfer_launcher_up") == 0 and "deepinfer_process_running" not in text
 
 
 def beat(worker: str, role: str, **load: int) -> Heartbeat:

@@ -89,6 +89,28 @@ def test_two_nats_servers_never_share_a_store(tmp_path: Path) -> None:
     natsserver.start(tmp_path / "nats").stop()  # free again once stopped
 
 
+def test_a_dead_nats_server_is_restarted_on_its_kept_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    from shared.launch.launcher import SupervisedNats, supervise_nats
+
+    store = tmp_path / "nats"
+    port = natsserver.persisted_port(store)
+    nats = SupervisedNats(natsserver.start(store, port=port))
+    try:
+        assert nats.server.url.endswith(f":{port}")
+        first = nats.server.process
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        supervise_nats(nats, nats.started_at + 1)  # a quick first death: restarted at once
+        assert nats.running and nats.server.process is not first and nats.server.url.endswith(f":{port}")
+        assert nats.restarts.total == 1 and not nats.restarts.crash_looping()
+        assert f"nats-server exited with code -9; restarting it on nats://127.0.0.1:{port}" in capsys.readouterr().out
+    finally:
+        nats.server.stop()
+    assert natsserver.persisted_port(store) == port  # the next `up` listens where the last one did
+
+
 # --- flags, environment, version, help -----------------------------------------------------------------------
 
 

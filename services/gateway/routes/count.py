@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.gateway.errors import ApiError, json_response
+from services.gateway.errors import ApiError, bus_down, json_response
 from services.gateway.routes.table import ApiRoute
 from services.gateway.routes.generate import read_json_object
 from shared import subjects
@@ -20,6 +20,8 @@ class CountTokensHandler:
 
     async def handle(self, request: web.Request, route: ApiRoute) -> web.Response:
         body = await read_json_object(request, self._max_body_bytes)
+        if not self._bus.connected:
+            raise bus_down()
         try:
             reply = await self._bus.request(
                 subjects.RECIPE_COUNT_TOKENS, CountTokensRequest(route.api, body), CountTokensReply,

@@ -26,13 +26,14 @@ from opentelemetry import trace
 
 from services.gateway import genai
 from services.gateway.auth import presented_key, tenant_of
-from services.gateway.errors import ApiError, ErrorFormat, error_response, json_response
+from services.gateway.errors import ApiError, ErrorFormat, bus_down, error_response, json_response
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import ApiRequestHandler
 from services.gateway.routes.table import ApiRoute
 from services.gateway.streaming import EventPump, PumpAborted, Pumps
 from shared import subjects
 from shared.bus import Bus, BusTimeout
+from shared.bus_state import OUTAGE_GRACE_S, RESUME_S
 from shared.json_depth import depth_message, too_deep
 from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 # tells us at once; this poll is the backstop.
 DISCONNECT_POLL_S = 0.5
 REQUEST_ID_HEADER = "X-Request-Id"
+BUS_LOST = "the message bus was lost while the request was in flight and its answer did not resume; try again"
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fits in an id, a header and a log line as it stands
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -160,6 +162,8 @@ class GenerateHandler:
     async def handle(self, request: web.Request, route: ApiRoute) -> web.StreamResponse:
         if self._pumps.closing:
             raise ApiError(503, "the gateway is shutting down")
+        if not self._bus.connected:
+            raise bus_down()
         arrival = time.monotonic()
         client_id = client_request_id(request)
         body, parsed = await read_json(request, self._max_body_bytes)
@@ -243,12 +247,25 @@ class GenerateHandler:
             if left <= 0:
                 message = f"the model sent nothing for {self._event_timeout_s:g} s"
                 raise RequestEnded(504, message, "timed out")
+            self._check_bus(pump)
             try:
-                return await pump.next(min(left, DISCONNECT_POLL_S))
+                event = await pump.next(min(left, DISCONNECT_POLL_S))
             except TimeoutError:
                 continue
             except PumpAborted as exc:
                 raise RequestEnded(503, "the gateway is shutting down", exc.reason) from None
+            pump.losses, pump.last_event_at = self._bus.losses, time.monotonic()
+            return event
+
+    def _check_bus(self, pump: EventPump) -> None:
+        """End a request whose events the bus cannot bring (shared/bus.py replays a stream's messages after an
+        outage, so a short one costs a stream nothing): the bus down OUTAGE_GRACE_S, or back RESUME_S with the
+        stream still silent since the outage. A 503 within seconds, not the event timeout."""
+        if self._bus.down_for() > OUTAGE_GRACE_S:
+            raise RequestEnded(503, BUS_LOST, "bus lost")
+        if pump.losses != self._bus.losses and self._bus.connected:
+            if time.monotonic() - max(pump.last_event_at, self._bus.back_at) > RESUME_S:
+                raise RequestEnded(503, BUS_LOST, "bus lost")
 
     def _reason(self, exc: BaseException) -> str:
         if self._pumps.closing:

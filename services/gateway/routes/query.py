@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.auth import presented_key, tenant_of
-from services.gateway.errors import ApiError, json_response
+from services.gateway.errors import ApiError, bus_down, json_response
 from services.gateway.routes.generate import read_json_object
 from shared import subjects
 from shared.bus import Bus, BusTimeout
@@ -22,6 +22,8 @@ class RecipeQueries:
         self._max_body_bytes = max_body_bytes
 
     async def _ask(self, subject: str, message: Any) -> web.Response:
+        if not self._bus.connected:
+            raise bus_down()
         try:
             reply = await self._bus.request(subject, message, JsonReply, timeout=self._timeout_s)
         except BusTimeout:
