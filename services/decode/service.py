@@ -64,14 +64,14 @@ class DecodeService(EngineWorker):
             cache_salt=req.cache_salt,
             token_ids=list(tokens),
             sampling=req.sampling,
-            max_new_tokens=req.sampling.max_tokens - 1,
-            output_offset=1,
+            max_new_tokens=req.remaining_tokens - 1,
+            output_offset=req.output_offset + 1,  # after prefill's token (a continuation: after its output)
             prefix_blocks=blobs,
             prefix_tokens=prefix_tokens,
             prefix_state=state,
             hold_kv=True,  # kept after the last token until the output's KV is stored
         )
-        index = 1
+        index = req.output_offset + 1
         finish_reason = None
         try:
             async for out in self.engine.generate(engine_req):
@@ -80,7 +80,8 @@ class DecodeService(EngineWorker):
                 finish_reason = out.finish_reason
                 tokens += out.token_ids
                 await self.publish_tokens(
-                    TokenEvent(req.request_id, index, list(out.token_ids), finish_reason=out.finish_reason), env
+                    TokenEvent(req.request_id, index, list(out.token_ids), finish_reason=out.finish_reason,
+                               migration=req.migration), env
                 )
                 index += len(out.token_ids)
             if finish_reason is not None:  # the next turn starts with this one: keep its KV findable

@@ -48,6 +48,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "as vLLM does; unsafe (a user can forge turns). By default they are encoded as text",
     )
     parser.add_argument(
+        "--max-migrations", type=int, default=int(env("DEEPINFER_MAX_MIGRATIONS", "2")),
+        help="times one request may resume on another worker, from the tokens it streamed, after losing its "
+        "worker (exact: the stream goes on unchanged); past it the request ends with a 503. 0 = never",
+    )
+    parser.add_argument(
         "--max-queued-requests", type=int, default=int(env("DEEPINFER_MAX_QUEUED_REQUESTS", "0")),
         help="requests in flight per model (waiting or running) past which a new one gets a 429 with Retry-After; "
         "0 = unbounded",
@@ -67,7 +72,8 @@ def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
     admission = AdmissionLimits(args.max_queued_requests, args.max_queued_tokens)  # raises on negatives
     return RecipeService(specs, ttl_s=args.request_ttl, stop_grace_s=args.stop_grace, response_ttl_s=args.response_ttl,
                          served_names=config.served_model_names, max_model_len=config.max_model_len,
-                         trust_client_control_tokens=args.allow_control_tokens_in_user_text, admission=admission)
+                         trust_client_control_tokens=args.allow_control_tokens_in_user_text, admission=admission,
+                         max_migrations=args.max_migrations)
 
 
 if __name__ == "__main__":
