@@ -9,8 +9,9 @@
 Per-request state (a Flight and its token subscription) ends on finish, on cancel, or after `ttl_s` without
 a token event (the client then gets a 504 and the workers a Cancel). When the worker holding a request is lost
 (the balancer's "lost" event) the request resumes from the tokens streamed so far, on another worker, up to
-`max_migrations` times (flight.py: an exact continuation); the client's stream goes on where it was. A Responses request created with `store`
-is kept (responses_store.py) before its last event goes out, so the client can continue from it at once.
+`max_migrations` times (flight.py: an exact continuation); the client's stream goes on where it was. A Responses
+request created with `store` is kept (responses_store.py) before its last event goes out, so the client can
+continue from it at once.
 Questions that generate nothing (tokenize, models, stored responses) are answered by `queries.Queries`.
 """
 

@@ -7,9 +7,11 @@ A worker's job handler is its role; everything else is here. The work message is
 A request that ended here (done, or cancelled on `requests.cancel`) is remembered for a while: its job, should it
 come again (redelivered, or overtaken by its cancel), is settled at once and not run. What is remembered is the
 request's migration (GenerateRequest.migration) that ended: a worker that lost a request (silent, or killed and
-restarted) drops the redelivered jobs of that migration, yet runs a later continuation of the same request. Cancels are marked as they
-arrive and aborted in batches, one engine call per step boundary for all of them, so a flood of hang-ups never
-waits a step each; a cancel that lands while the KV is being exported ends that work quietly (no redelivery).
+restarted) drops the redelivered jobs of that migration, yet runs a later continuation of the same request.
+
+Cancels are marked as they arrive and aborted in batches, one engine call per step boundary for all of them, so
+a flood of hang-ups never waits a step each; a cancel that lands while the KV is being exported ends that work
+quietly (no redelivery).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def workload(n: int, max_tokens: int, *, prompt_lines: int = 6, tag: str = "") -
     """`n` requests, half greedy, half seeded sampling, each with a prompt of its own."""
     bodies = []
     for i in range(n):
-        story = " ".join(f"Line {j}: keeper {i} of {tag or 'the'} light counted {i + j} ships." for j in range(prompt_lines))
+        story = " ".join(f"Line {j}: keeper {i} of the {tag} light counted {i + j} ships." for j in range(prompt_lines))
         sampling: dict[str, Any] = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1000 + i}
         bodies.append({
             "model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,

@@ -167,8 +167,8 @@ async def test_a_cancel_during_the_hand_over_leaves_nothing_held(checkpoint: Pat
     await svc.engine.stop()
 
 
-async def test_a_continuation_samples_at_its_output_position_and_hands_over_anew(checkpoint: Path,  # noqa: F811
-                                                                              loaded: LoadedModel) -> None:  # noqa: F811
+async def test_a_continuation_samples_at_its_position_and_hands_over_anew(checkpoint: Path,  # noqa: F811
+                                                                       loaded: LoadedModel) -> None:  # noqa: F811
     """A resumed request (migration 1, 5 tokens already streamed): prefill's token goes out at position 5, is the
     token the original run drew there (the draw is keyed by (seed, position)), and the hand-over to decode has a
     message id of its own (the original's is still in JetStream's dedup window)."""
