@@ -103,6 +103,7 @@ class Flight:
         self._pending[ev.index] = ev
         events = []
         engine_finished = consumed = False
+        finished_by = self.migration
         p = self._processor
         while (nxt := self._pending.pop(self._next, None)) is not None and not p.done:
             consumed = True
@@ -115,13 +116,17 @@ class Flight:
                 events += p.push(Tokens(nxt.token_ids))
             self._next = nxt.index + max(len(nxt.token_ids), 1)
             if nxt.finish_reason is not None:
-                engine_finished = True
+                engine_finished, finished_by = True, nxt.migration
                 if not p.done:
                     events += p.push(End(nxt.finish_reason))  # type: ignore[arg-type]
         if not consumed:
             return None
-        # The parser ended the turn before the engine did (a stop sequence, end-of-sentence): free the workers.
+        # The parser ended the turn before the engine did (a stop sequence, end-of-sentence): free the workers. So
+        # too when a run the request moved past finished it (a lost worker that was only silent): the continuation
+        # still runs.
         cancel = "stop" if p.done and not engine_finished else ""
+        if p.done and engine_finished and finished_by < self.migration:
+            cancel = "finished"
         if self.prepared.stream:
             return Output(p.frames(events), done=p.done, cancel=cancel)
         return Output(done=p.done, body=p.body() if p.done else b"", cancel=cancel)

@@ -279,3 +279,19 @@ async def test_a_lost_worker_resumes_the_stream_exactly_and_a_bounded_number_of_
     assert "worker lost" in orjson.loads(got[-1].body)["error"]["message"]
     assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="error")
     assert mesh.work.empty() and mesh.recipe.migrations == 3
+
+
+async def test_a_request_finished_by_the_run_it_moved_past_cancels_its_continuation(mesh: Mesh) -> None:
+    """A lost worker that was only silent finishes the request before its continuation does: the answer is the
+    same (exact), the client gets it, and the continuation, still running for nobody, is cancelled."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 9}
+    rid, reply, events = await mesh.prepare("chat", body)
+    await asyncio.wait_for(mesh.work.get(), 5.0)
+    ids = mesh.tokenizer.encode(" one two three") + [EOS]
+    await mesh.tokens(rid, TokenEvent(rid, 0, ids[:2], None, reply.prompt_tokens),
+                      TokenEvent(rid, 0, [], "lost", error="worker lost", error_status=503))
+    assert (await asyncio.wait_for(mesh.work.get(), 5.0)).migration == 1
+    await mesh.tokens(rid, TokenEvent(rid, 2, ids[2:], "stop"))  # the old run (migration 0) ends it
+    got = await mesh.until_done(events)
+    assert got[-1].status == 200 and _content(got) == " one two three"
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="finished")
