@@ -10,8 +10,11 @@ the reference answer of the same request:
     identical   completed streams whose text is the reference's exactly
     lost / dup  tokens of the reference missing from the answer / tokens in the answer not in the reference
                 (the texts re-encoded with the model's tokenizer and aligned; 0 / 0 exactly when identical)
-    stall       the longest silence a stream saw, worst stream: reference -> under the fault
-    added       extra wall time of the streams the fault touched (in flight when it struck), median and worst
+    stall       the longest silence between two tokens, worst stream: reference -> under the fault
+    ttft        the longest time to first token, worst stream: reference -> under the fault
+    added       extra wall time of the streams the fault touched (in flight when it struck) over their reference
+                run, median and worst (on a shared machine the load differs between runs: read it with the
+                stall and TTFT columns, which are measured within each run)
 
 A scenario is an async function in SCENARIOS: it gets the mesh and the load's live streams, strikes once when
 it chooses, and returns a line saying what it did. After each, the bench waits until the mesh has every worker
@@ -130,6 +133,8 @@ class Row:
     duplicated: int
     stall_ref: float
     stall: float
+    ttft_ref: float
+    ttft: float
     added_median: float
     added_max: float
     touched: int
@@ -148,19 +153,21 @@ def compare(name: str, reference: Run, faulted: Run, encode: Callable[[str], lis
     added = [(got[i].ended - got[i].started) - (ref[i].ended - ref[i].started) for i in touched]
     return Row(name, faulted.what, len(got), len(completed), len(identical), lost, dup,
                max(s.max_gap for s in ref), max(s.max_gap for s in got),
+               max(s.ttft for s in ref), max(s.ttft for s in got),
                statistics.median(added) if added else 0.0, max(added, default=0.0), len(touched))
 
 
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "| scenario | fault | completed | identical | lost / dup tokens | worst stall (ref -> fault) | "
-        "added latency, touched streams (median / max) |",
-        "|---|---|---|---|---|---|---|",
+        "worst TTFT (ref -> fault) | added latency, touched streams (median / max) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.scenario} | {r.what} | {r.completed}/{r.streams} | {r.identical}/{r.streams} | "
             f"{r.lost} / {r.duplicated} | {r.stall_ref:.2f} s -> {r.stall:.2f} s | "
+            f"{r.ttft_ref:.2f} s -> {r.ttft:.2f} s | "
             f"{r.added_median:+.2f} s / {r.added_max:+.2f} s ({r.touched} streams) |"
         )
     return "\n".join(lines)
@@ -202,8 +209,10 @@ def main() -> None:
             rows = asyncio.run(bench(args, mesh))
         finally:
             mesh.stop()
-    header = (f"{time.strftime('%Y-%m-%d', time.gmtime(started))}, {platform.machine()}, {os.cpu_count()} CPUs, "
-              f"{MODEL}, {args.requests} requests x {args.max_tokens} tokens, {args.concurrency} at a time")
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    header = (f"{time.strftime('%Y-%m-%d', time.gmtime(started))}, {platform.machine()}, {os.cpu_count()} CPUs "
+              f"(load average at the end {load}), {MODEL}, {args.requests} requests x {args.max_tokens} tokens, "
+              f"{args.concurrency} at a time, {args.prompt_lines * 15} or so prompt tokens")
     report = f"{header}\n\n{table(rows)}\n"
     print("\n" + report)
     if args.out is not None:

@@ -151,11 +151,6 @@ class Flight:
             migration=self.migration, arrival=arrival,
         )
 
-    @property
-    def resumed_from(self) -> int:
-        """Engine tokens the request resumes from (taken in order so far)."""
-        return len(self._ids)
-
     def fail(self, status: int, message: str, cancel: str = "") -> Output:
         """End with an error; the gateway writes it as the API's error response (or last SSE frame)."""
         self._processor.done = True

@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, BusTimeout
 from shared.schemas.balancer import BalancerStats, BalancerStatsReply
 from shared.schemas.workers import HealthReply, HealthRequest
 from shared.service import health_subject
@@ -50,10 +50,13 @@ class Streamed:
         return self.status == 200 and not self.error
 
     @property
+    def ttft(self) -> float:
+        return self.times[0] - self.started if self.times else 0.0
+
+    @property
     def max_gap(self) -> float:
-        """The longest silence between two chunks (or before the first): the stall a fault caused."""
-        marks = [self.started, *self.times]
-        return max((b - a for a, b in zip(marks, marks[1:])), default=0.0)
+        """The longest silence between two chunks: the stall a fault caused mid-stream."""
+        return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
 
 
 def workload(n: int, max_tokens: int, *, prompt_lines: int = 6, tag: str = "") -> list[dict[str, Any]]:
@@ -133,12 +136,15 @@ def instance_pid(state_dir: str, instance: str) -> int:
 
 
 async def worker_health(nats_url: str, role: str, instance: str, bus: Bus | None = None) -> dict[str, Any]:
-    """A worker's health report ({} while it is not ready); on `bus` when given (a fault polling it often)."""
+    """A worker's health report ({} while it is not ready, or not there: killed, restarting); on `bus` when given
+    (a fault polling it often)."""
     own = bus is None
     bus = bus or await Bus.connect(nats_url, "chaos-health")
     try:
         reply = await bus.request(health_subject(role, instance), HealthRequest(), HealthReply, timeout=10)
         return orjson.loads(reply.detail) if reply.ready else {}
+    except BusTimeout:
+        return {}
     finally:
         if own:
             await bus.drain()
@@ -149,6 +155,26 @@ async def busiest(nats_url: str, role: str, instances: Sequence[str], bus: Bus |
     active = {i: (await worker_health(nats_url, role, i, bus)).get("active", 0) for i in instances}
     instance = max(active, key=lambda i: active[i])
     return instance, active[instance]
+
+
+async def until_idle(nats_url: str, workers: Sequence[tuple[str, str]], timeout_s: float = 60.0
+                     ) -> dict[str, dict[str, Any]]:
+    """Wait until every (role, instance) in `workers` that is up holds nothing: no request active, every KV block
+    free (its prefix cache counts as free), nothing held for export or hand-over; their last reports ({} for one
+    not up: a worker still loading holds nothing), idle or not (the wait bounds a failure only)."""
+    bus = await Bus.connect(nats_url, "chaos-idle")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reports = {i: await worker_health(nats_url, role, i, bus) for role, i in workers}
+            if all(not r or (r["active"] == 0 and r["free_blocks"] == r["total_blocks"] and r["held"] == 0
+                             and r["handover"].get("leases", 0) == 0) for r in reports.values()):
+                return reports
+            if time.monotonic() > deadline:
+                return reports
+            await asyncio.sleep(0.2)
+    finally:
+        await bus.drain()
 
 
 async def balancer_stats(nats_url: str) -> BalancerStatsReply:

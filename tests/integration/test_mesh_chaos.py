@@ -16,6 +16,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,7 @@ from tests.integration.chaos import (
     busiest,
     instance_pid,
     stream_all,
+    until_idle,
     until_started,
     until_workers,
     workload,
@@ -45,6 +47,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     mesh.stop()
 
 
+WORKERS = [("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0"), ("decode", "decode-1")]
+
+
 def _check(baseline: Sequence[Streamed], faulted: Sequence[Streamed], max_tokens: int) -> None:
     assert all(s.ok and s.completion_tokens == max_tokens for s in baseline), [s.error for s in baseline]
     assert [s.error for s in faulted] == [""] * len(faulted)
@@ -52,10 +57,19 @@ def _check(baseline: Sequence[Streamed], faulted: Sequence[Streamed], max_tokens
     assert [s.completion_tokens for s in faulted] == [max_tokens] * len(faulted)  # none taken twice
 
 
+def _nothing_left(mesh: Mesh, victim: str) -> None:
+    """No orphan work: once every stream is over, every surviving worker holds nothing for any request."""
+    reports = asyncio.run(until_idle(mesh.nats_url, [w for w in WORKERS if w[1] != victim]))
+    assert sum(bool(r) for r in reports.values()) >= 2, reports  # (a worker the launcher is restarting is skipped)
+    for instance, r in [(i, r) for i, r in reports.items() if r]:
+        assert r["active"] == 0 and r["free_blocks"] == r["total_blocks"] and r["held"] == 0, (instance, r)
+        assert r["handover"].get("leases", 0) == 0, (instance, r)
+
+
 def test_a_prefill_worker_killed_under_load_costs_no_stream_a_token(mesh: Mesh) -> None:
     # long prompts: prefill is where the time goes, so the kill finds prompts queued and computing on the victim
-    bodies = workload(STREAMS, 12, prompt_lines=60, tag="prefill")
-    victim: dict[str, int] = {}
+    bodies = workload(STREAMS, 8, prompt_lines=30, tag="prefill")
+    victim: dict[str, Any] = {}
 
     async def kill_a_prefill_worker_holding_prompts(streams: Sequence[Streamed]) -> None:
         bus = await Bus.connect(mesh.nats_url, "chaos-fault")
@@ -68,7 +82,7 @@ def test_a_prefill_worker_killed_under_load_costs_no_stream_a_token(mesh: Mesh) 
                 await asyncio.sleep(0.05)
         finally:
             await bus.drain()
-        victim.update(active=active)
+        victim.update(active=active, instance=instance)
         os.kill(instance_pid(str(mesh.state_dir), instance), signal.SIGKILL)
 
     async def scenario() -> tuple[list[Streamed], list[Streamed], dict[str, int]]:
@@ -80,18 +94,19 @@ def test_a_prefill_worker_killed_under_load_costs_no_stream_a_token(mesh: Mesh) 
         return baseline, faulted, {k: after.get(k, 0) - before.get(k, 0) for k in ("rerouted", "released_worker_lost")}
 
     baseline, faulted, moved = asyncio.run(scenario())
-    _check(baseline, faulted, 12)
+    _check(baseline, faulted, 8)
     assert victim["active"] > 0 and moved["rerouted"] + moved["released_worker_lost"] > 0, (victim, moved)
+    _nothing_left(mesh, victim["instance"])
 
 
 def test_a_decode_worker_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -> None:
     bodies = workload(STREAMS, MAX_TOKENS, tag="decode")
-    victim: dict[str, int] = {}
+    victim: dict[str, Any] = {}
 
     async def kill_the_busier_decode_worker(streams: Sequence[Streamed]) -> None:
         await until_started(streams, 2)  # every stream is decoding
         instance, active = await busiest(mesh.nats_url, "decode", ("decode-0", "decode-1"))
-        victim.update(active=active)
+        victim.update(active=active, instance=instance)
         os.kill(instance_pid(str(mesh.state_dir), instance), signal.SIGKILL)
 
     async def scenario() -> tuple[list[Streamed], list[Streamed], int]:
@@ -105,4 +120,5 @@ def test_a_decode_worker_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -
     baseline, faulted, released = asyncio.run(scenario())
     _check(baseline, faulted, MAX_TOKENS)
     assert victim["active"] > 0 and released >= victim["active"]  # its streams did move: they were resumed
+    _nothing_left(mesh, victim["instance"])
     assert any("resuming from" in line for line in (mesh.state_dir / "logs" / "recipe-0.log").read_text().splitlines())
