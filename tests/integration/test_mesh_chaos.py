@@ -5,9 +5,12 @@ with the kill, and every stream must complete with exactly the fault-free text.
     prefill worker killed while prompts are queued and in flight on it: the balancer re-routes them to the
         other prefill worker; those it had handed on already pull their KV from the store or recompute it
     decode worker killed mid-stream: the balancer misses its heartbeats, hands each of its requests back ("lost");
-        the recipe resumes each from the tokens it streamed, on the other decode worker (an exact continuation)
+        the recipe resumes each from the tokens it streamed, on the other decode worker (an exact continuation);
+        two more clients hang up while those migrations are under way
 
-The prefill test runs first: neither waits for the launcher to bring its victim back (a model load).
+After each, no work is left anywhere: every surviving worker idle with every block free, no hand-over held, no
+assignment left in the balancer. The prefill test runs first: neither waits for the launcher to bring its
+victim back (a model load).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import aiohttp
 import pytest
 
 from shared.bus import Bus
@@ -27,6 +31,7 @@ from tests.integration.chaos import (
     busiest,
     instance_pid,
     stream_all,
+    stream_one,
     until_idle,
     until_started,
     until_workers,
@@ -64,6 +69,7 @@ def _nothing_left(mesh: Mesh, victim: str) -> None:
     for instance, r in [(i, r) for i, r in reports.items() if r]:
         assert r["active"] == 0 and r["free_blocks"] == r["total_blocks"] and r["held"] == 0, (instance, r)
         assert r["handover"].get("leases", 0) == 0, (instance, r)
+    assert asyncio.run(balancer_stats(mesh.nats_url)).assignments == 0  # and the balancer placed none it forgot
 
 
 def test_a_prefill_worker_killed_under_load_costs_no_stream_a_token(mesh: Mesh) -> None:
@@ -100,20 +106,31 @@ def test_a_prefill_worker_killed_under_load_costs_no_stream_a_token(mesh: Mesh) 
 
 
 def test_a_decode_worker_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -> None:
+    """... and two more streams hang up while the kill's migrations are under way: they leave nothing behind."""
     bodies = workload(STREAMS, MAX_TOKENS, tag="decode")
     victim: dict[str, Any] = {}
+    doomed: list[asyncio.Task[Streamed]] = []
 
     async def kill_the_busier_decode_worker(streams: Sequence[Streamed]) -> None:
         await until_started(streams, 2)  # every stream is decoding
         instance, active = await busiest(mesh.nats_url, "decode", ("decode-0", "decode-1"))
         victim.update(active=active, instance=instance)
+        released = (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0)
         os.kill(instance_pid(str(mesh.state_dir), instance), signal.SIGKILL)
+        while (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0) == released:
+            await asyncio.sleep(0.05)  # (bounded by the heartbeat timeout: the balancer hands its requests back)
+        for task in doomed:  # the recipe is resuming the victim's requests now: hang up
+            task.cancel()
 
     async def scenario() -> tuple[list[Streamed], list[Streamed], int]:
         await until_workers(mesh.nats_url, "decode", 2)
         baseline = await stream_all(mesh.base_url, bodies)
         before = (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0)
-        faulted = await stream_all(mesh.base_url, bodies, during=kill_the_busier_decode_worker)
+        async with aiohttp.ClientSession() as session:
+            doomed.extend(asyncio.create_task(stream_one(session, mesh.base_url, body, Streamed()))
+                          for body in workload(2, 400, tag="doomed"))
+            faulted = await stream_all(mesh.base_url, bodies, during=kill_the_busier_decode_worker)
+            await asyncio.gather(*doomed, return_exceptions=True)
         after = (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0)
         return baseline, faulted, after - before
 

@@ -356,3 +356,20 @@ async def test_policies_are_chosen_by_name() -> None:
     await svc.stop()
     with pytest.raises(ValueError):
         BalancerService(["prefill"], policies={"prefill": "psychic"})
+
+
+async def test_a_client_that_hangs_up_during_a_migration_gets_no_continuation_placed(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await heartbeat(svc, "d1", clock, role="decode")
+    await svc.route("decode", decode_job("r1"))
+    clock.t += 2.0
+    await heartbeat(svc, "p1", clock)
+    clock.t += 2.0
+    await svc.reap(clock.t)  # d1 lost: r1 handed back to the recipe, which resumes it
+    assert lost(bus) == [("r1", 0)]
+    await svc._on_cancel(Cancel("r1", "client disconnected"), ENV)  # ...and then the client leaves
+    original = request("r1")
+    await svc.route("prefill", dataclasses.replace(original, prompt_ids=original.prompt_ids + [7], output_offset=1,
+                                                  migration=1))
+    assert [i for _, _, i in bus.submitted] == ["r1:decode"] and len(svc.assignments) == 0
