@@ -51,6 +51,7 @@ class Flight:
         self.migration = 0  # of the run now producing the request's tokens (GenerateRequest.migration)
         self._max_migrations = max_migrations
         self._ids: list[int] = []  # the engine tokens taken in order: what a continuation starts from
+        self.forked_at: int | None = None  # the first position a repeat disagreed with what the client has
         self.last_seen = now
         self.last_published = now  # when an ApiEvent last went to the gateway (the service keeps it fresh)
         self._processor = processor
@@ -99,7 +100,8 @@ class Flight:
             # the request is over for the client: every hop still holding it (another worker, a redelivery) lets go
             return self.fail(ev.error_status or 503, ev.error or f"the request ended: {ev.finish_reason}", "error")
         if ev.index < self._next or ev.index in self._pending:
-            return None  # a duplicate (redelivered work): already seen
+            self._check_repeat(ev)
+            return None  # a duplicate (redelivered work, a re-routed prefill, a continuation): already seen
         self._pending[ev.index] = ev
         events = []
         engine_finished = consumed = False
@@ -130,6 +132,16 @@ class Flight:
         if self.prepared.stream:
             return Output(p.frames(events), done=p.done, cancel=cancel)
         return Output(done=p.done, body=p.body() if p.done else b"", cancel=cancel)
+
+    def _check_repeat(self, ev: TokenEvent) -> None:
+        """A repeat must carry the tokens the client has: a different one means a run (a re-routed prefill, a
+        continuation) sampled differently from the one it repeats (non-deterministic kernels). The client keeps
+        the first; the position is noted so the service can say so."""
+        taken = self._ids[ev.index : ev.index + len(ev.token_ids)]
+        pending = self._pending.get(ev.index)
+        seen = taken if ev.index < self._next else (pending.token_ids if pending is not None else [])
+        if self.forked_at is None and list(ev.token_ids[: len(seen)]) != list(seen):
+            self.forked_at = ev.index
 
     def _lost(self, ev: TokenEvent) -> Output:
         message = ev.error or "worker lost"

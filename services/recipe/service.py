@@ -85,6 +85,7 @@ class RecipeService:
             raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self._max_migrations = max_migrations
         self.migrations = 0  # continuations submitted since start
+        self.forks = 0  # requests where a repeated position brought another token (Flight.forked_at)
         if served_names and len(model_specs) != 1:
             raise ValueError("served names name one model")
         self._specs = list(model_specs)
@@ -285,11 +286,17 @@ class RecipeService:
         flight = self._flights.get(ev.request_id)
         if flight is None:
             return  # finished, cancelled or expired: late tokens are dropped
+        forked = flight.forked_at
         try:
             out = flight.on_event(ev, time.monotonic())
         except Exception:  # a codec bug must still end the client's request
             log.exception("%s: formatting failed", ev.request_id)
             out = flight.fail(500, "internal error while formatting the response", "error")
+        if forked is None and flight.forked_at is not None:
+            self.forks += 1
+            log.warning("%s: a repeat of output position %d (migration %d) differs from what was streamed: the "
+                        "stream keeps the first; what follows comes from the other run", ev.request_id,
+                        flight.forked_at, ev.migration)
         if out is not None and out.resume:
             await self._resume(flight)
         elif out is not None:

@@ -70,6 +70,8 @@ def _nothing_left(mesh: Mesh, victim: str) -> None:
         assert r["active"] == 0 and r["free_blocks"] == r["total_blocks"] and r["held"] == 0, (instance, r)
         assert r["handover"].get("leases", 0) == 0, (instance, r)
     assert asyncio.run(balancer_stats(mesh.nats_url)).assignments == 0  # and the balancer placed none it forgot
+    # and no repeated position (a re-routed prefill's token, a continuation's) ever brought another token
+    assert "differs from what was streamed" not in (mesh.state_dir / "logs" / "recipe-0.log").read_text()
 
 
 def test_a_prefill_worker_killed_under_load_costs_no_stream_a_token(mesh: Mesh) -> None:

@@ -262,7 +262,7 @@ async def test_a_lost_worker_resumes_the_stream_exactly_and_a_bounded_number_of_
     got = await mesh.until_done(events)
     assert got[-1].status == 200 and _content(got) == " one two three four five six seven eight"
     assert got[-1].output_tokens == len(ids)  # each token counted once
-    assert mesh.cancels.empty() and mesh.recipe.migrations == 1
+    assert mesh.cancels.empty() and mesh.recipe.migrations == 1 and mesh.recipe.forks == 0
 
     rid, reply, events = await mesh.prepare("chat", body)
     await asyncio.wait_for(mesh.work.get(), 5.0)
@@ -295,3 +295,16 @@ async def test_a_request_finished_by_the_run_it_moved_past_cancels_its_continuat
     got = await mesh.until_done(events)
     assert got[-1].status == 200 and _content(got) == " one two three"
     assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="finished")
+
+
+async def test_a_repeat_that_brings_another_token_is_noted_and_the_client_keeps_the_first(mesh: Mesh) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 9}
+    rid, reply, events = await mesh.prepare("chat", body)
+    await asyncio.wait_for(mesh.work.get(), 5.0)
+    ids = mesh.tokenizer.encode(" one two three") + [EOS]
+    other = mesh.tokenizer.encode(" six")
+    await mesh.tokens(rid, TokenEvent(rid, 0, ids[:1], None, reply.prompt_tokens),
+                      TokenEvent(rid, 0, other, None, reply.prompt_tokens),  # a re-routed prefill, sampled otherwise
+                      TokenEvent(rid, 1, ids[1:], "stop"))
+    got = await mesh.until_done(events)
+    assert _content(got) == " one two three" and mesh.recipe.forks == 1
