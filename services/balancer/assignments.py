@@ -23,6 +23,7 @@ class Assignment:
     at: float
     expires_at: float
     attempt: int = 0  # how many times this job has been re-routed
+    migration: int = 0  # the request's migration the job belongs to (GenerateRequest.migration)
     trace: Any = None  # the routing span's context, so a re-route joins the request's trace
 
 
@@ -41,11 +42,15 @@ class Assignments:
     def get(self, request_id: str, role: str) -> Assignment | None:
         return self._by_key.get((request_id, role))
 
-    def drop(self, request_id: str, role: str, worker_id: str | None = None) -> Assignment | None:
-        """Forget an assignment; with `worker_id`, only if that worker still holds it (not re-routed since)."""
+    def drop(self, request_id: str, role: str, worker_id: str | None = None, migration: int | None = None
+             ) -> Assignment | None:
+        """Forget an assignment; with `worker_id`, only if that worker still holds it (not re-routed since); with
+        `migration`, only if it is of that migration or an earlier one (a later continuation stays)."""
         key = (request_id, role)
         a = self._by_key.get(key)
         if a is None or (worker_id is not None and a.worker_id != worker_id):
+            return None
+        if migration is not None and a.migration > migration:
             return None
         del self._by_key[key]
         keys = self._by_worker[a.worker_id]

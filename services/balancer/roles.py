@@ -38,7 +38,7 @@ class Role(Protocol[J]):
     durable: str
     job_type: type[J]
     policy: str  # a name in policies.POLICIES
-    reroutable: bool  # may a job lost with its worker be recomputed elsewhere
+    reroutable: bool  # may a job lost with its worker be placed again as it is (else: the recipe resumes it)
     follows: str | None  # the role whose part of a request is over once a job of this role arrives
     assignment_ttl_s: float  # forget an assignment never reported done after this long
 
@@ -90,7 +90,9 @@ class DecodeRole:
     durable: str = subjects.BALANCER_DECODE_DURABLE
     job_type: type[DecodeJob] = DecodeJob
     policy: str = "affinity"
-    reroutable: bool = False  # the generated tokens live only on the lost worker: fail, the client retries
+    # its KV and position live only on the lost worker: handed back to the recipe, which resumes it from the
+    # tokens it streamed (a continuation through prefill, GenerateRequest.output_offset)
+    reroutable: bool = False
     follows: str | None = "prefill"
     assignment_ttl_s: float = 3600.0  # long generations run for many minutes
 

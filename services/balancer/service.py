@@ -5,12 +5,16 @@
     route queue --job--> role.demand(job, candidates)   (prefill: each worker's cached prefix; decode: affinity)
         --> policy(candidates, demand) --> submit to work.<role>.<worker>, remember the assignment
     no worker: Retry (nak with delay) until `route_wait_s` has passed, then a 503 error TokenEvent
-    worker silent for `worker_timeout_s`: it leaves the pool; its prefill jobs go to another worker, its decode
-        jobs fail with a 503 TokenEvent (the generated tokens were only on that worker)
+    worker silent for `worker_timeout_s`: it leaves the pool; its prefill jobs go to another worker; what cannot
+        go elsewhere (decode jobs: their state was only on that worker; a prefill with nowhere to go) gets a "lost"
+        TokenEvent: the recipe, which holds every token streamed, resumes the request from them (an exact
+        continuation, GenerateRequest.output_offset) or ends it with the event's 503
+    a continuation is a new migration of its request (GenerateRequest.migration): its own message ids and
+        assignments; a job or a done report of an earlier migration never replaces or drops a later one
     workers.done / requests.cancel / the next role taking over / a TTL: the assignment is forgotten
-    every request it fails it also cancels on `requests.cancel` (every hop frees it); when a lost worker comes
-        back, it is told again what it lost (failed: a Cancel; re-routed: a Cancel for that worker alone), since
-        its JetStream jobs are redelivered to the restarted instance and must not run for nobody
+    every request it fails it also cancels on `requests.cancel` (every hop frees it); a lost worker gets a Cancel
+        for itself alone (up to the migration it held) and, when it comes back, the same again, since its
+        JetStream jobs are redelivered to the restarted instance and must not run for nobody
 
 Placement and its bookkeeping happen without an `await` in between, so concurrent handlers each see the work
 the others just placed (see registry.py on pending assignments).
@@ -41,7 +45,7 @@ from services.balancer.kv_feed import KvEventFeed
 from services.balancer.prefix_index import PrefixIndex
 from shared.presence import announce_forever
 from shared.schemas.balancer import BalancerStats, BalancerStatsReply
-from shared.schemas.generate import Cancel, TokenEvent
+from shared.schemas.generate import LOST, Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
 log = logging.getLogger(__name__)
@@ -160,11 +164,12 @@ class BalancerService:
         if self.assignments.is_cancelled(rid):
             log.info("dropping %s job for cancelled request %s", role.name, rid)
             return
-        if role.follows is not None:
-            self.assignments.drop(rid, role.follows)  # the previous role's worker has handed the request on
-        if self.assignments.get(rid, role.name) is not None:
-            return  # a redelivery of a job already placed (its ack was lost)
-        key = (rid, role.name)
+        if role.follows is not None:  # the previous role's worker has handed the request on
+            self.assignments.drop(rid, role.follows, migration=request.migration)
+        placed = self.assignments.get(rid, role.name)
+        if placed is not None and placed.migration >= request.migration:
+            return  # a redelivery of a job already placed (its ack was lost), or of one the request moved past
+        key = (rid, role.name)  # (an earlier migration's wait ended when its job was placed)
         if await self._place(role, job, now) is not None:
             self._waiting.pop(key, None)
             return
@@ -196,11 +201,13 @@ class BalancerService:
             at=now,
             expires_at=now + ttl,
             attempt=attempt,
+            migration=request.migration,
             trace=tracing.current(),
         )
         self.assignments.add(assignment)
         subject, message = role.address(job, worker)
-        msg_id = f"{request.request_id}:{role.name}" + (f":{attempt}" if attempt else "")
+        msg_id = (f"{request.request_id}:{role.name}" + (f":m{request.migration}" if request.migration else "")
+                  + (f":{attempt}" if attempt else ""))
         try:
             await self._bus.submit(subject, message, msg_id=msg_id)
         except Exception:
@@ -274,28 +281,34 @@ class BalancerService:
                 del self._lost_on[worker_id]
 
     async def _recover(self, lost: Assignment, now: float) -> None:
+        """The lost worker lets go (it may be only silent: it stops now, not when it finishes for nobody; and it
+        is told again when it returns), and the job goes to another worker, or back to the recipe to resume."""
         role = self._roles.get(lost.role)
         if role is None:
             return
         with tracing.within(f"balancer recover {lost.role}", lost.trace):
+            worker = None
             if role.reroutable and lost.job is not None and lost.attempt < self._max_reroutes:
                 try:
                     worker = await self._place(role, lost.job, now, attempt=lost.attempt + 1)
                 except Exception:
                     log.exception("re-routing %s failed", lost.request_id)
-                    worker = None
-                if worker is not None:
-                    log.info("re-routed %s %s from %s to %s", lost.role, lost.request_id, lost.worker_id, worker)
-                    self.stats["rerouted"] += 1
-                    moved = Cancel(lost.request_id, "re-routed", worker_id=lost.worker_id)
-                    self._lost_on.setdefault(lost.worker_id, {})[lost.request_id] = (now, moved)
-                    if self._bus is not None:  # alive but silent: it stops now, not when it finishes for nobody
-                        await self._bus.publish(subjects.CANCEL, moved)
-                    return
-            self.stats["failed_worker_lost"] += 1
-            failed = Cancel(lost.request_id, "worker lost")
-            self._lost_on.setdefault(lost.worker_id, {})[lost.request_id] = (now, failed)
-            await self._fail(lost.request_id, "worker lost")
+            reason = "re-routed" if worker is not None else "worker lost"
+            moved = Cancel(lost.request_id, reason, worker_id=lost.worker_id, migration=lost.migration)
+            self._lost_on.setdefault(lost.worker_id, {})[lost.request_id] = (now, moved)
+            assert self._bus is not None
+            await self._bus.publish(subjects.CANCEL, moved)
+            if worker is not None:
+                log.info("re-routed %s %s from %s to %s", lost.role, lost.request_id, lost.worker_id, worker)
+                self.stats["rerouted"] += 1
+                return
+            log.info("%s %s lost with %s (migration %d): handed back to resume", lost.role, lost.request_id,
+                     lost.worker_id, lost.migration)
+            self.stats["released_worker_lost"] += 1
+            # Index 0: the balancer does not know how far the request got (the recipe does).
+            event = TokenEvent(lost.request_id, index=0, token_ids=[], finish_reason=LOST, error="worker lost",
+                               error_status=503, migration=lost.migration)
+            await self._bus.publish(subjects.tokens(lost.request_id), event)
 
     # --- broadcasts --------------------------------------------------------------------------------------------
 
@@ -312,7 +325,7 @@ class BalancerService:
             await self._bus.publish(subjects.CANCEL, cancel)
 
     async def _on_done(self, done: RequestDone, _: Envelope) -> None:
-        self.assignments.drop(done.request_id, done.role, done.worker_id)
+        self.assignments.drop(done.request_id, done.role, done.worker_id, migration=done.migration)
         if done.role == "decode":
             self.affinity.done(done.request_id, done.worker_id, self._clock())
 

@@ -1,7 +1,9 @@
 """The decode worker: continuous batching over every request it holds, streaming tokens as they come.
 
-A job carries the request, its first token (sampled by prefill) and where the prompt's KV lies in the kvcache
-service: full blocks, and a snapshot at the prompt's end (partial block + the model's state). The worker
+A job carries the request, its first token (sampled by prefill, and sent again from here: see handle) and where
+the prompt's KV lies in the kvcache service: full blocks, and a snapshot at the prompt's end (partial block + the
+model's state). A continuation (a request resumed after its worker was lost) is a job like any other, its output
+positions starting at `output_offset`. The worker
 imports what it can get (a missing block means the rest is recomputed here, never a failure), joins the request
 to the running batch, and publishes each step's tokens on the request's token stream at their output positions.
 When the request ends it stores the output's full blocks and a snapshot at the output's end, so the next turn
@@ -43,6 +45,11 @@ class DecodeService(EngineWorker):
         layout = self.engine.layout
         req = job.request
         prompt = req.prompt_ids
+        # Prefill's token again: on the peer path prefill hands the job on before it sends the token, and a prefill
+        # that dies in between would leave the stream a gap at that position forever (the recipe drops the copy).
+        await self.publish_tokens(TokenEvent(req.request_id, req.output_offset, [job.first_token],
+                                             prompt_tokens=len(prompt), cached_tokens=job.cached_tokens,
+                                             migration=req.migration), env)
         blobs, snap = await self._prompt_kv(job)
         prefix_tokens, state = len(blobs) * layout.block_tokens, b""
         if len(blobs) == len(job.block_hashes):
@@ -67,14 +74,14 @@ class DecodeService(EngineWorker):
             cache_salt=req.cache_salt,
             token_ids=list(tokens),
             sampling=req.sampling,
-            max_new_tokens=req.sampling.max_tokens - 1,
-            output_offset=1,
+            max_new_tokens=req.remaining_tokens - 1,
+            output_offset=req.output_offset + 1,  # after prefill's token (a continuation: after its output)
             prefix_blocks=blobs,
             prefix_tokens=prefix_tokens,
             prefix_state=state,
             hold_kv=True,  # kept after the last token until the output's KV is stored
         )
-        index = 1
+        index = req.output_offset + 1
         finish_reason = None
         try:
             async for out in self.engine.generate(engine_req):
@@ -86,7 +93,8 @@ class DecodeService(EngineWorker):
                 finish_reason = out.finish_reason
                 tokens += out.token_ids
                 await self.publish_tokens(
-                    TokenEvent(req.request_id, index, list(out.token_ids), finish_reason=out.finish_reason), env
+                    TokenEvent(req.request_id, index, list(out.token_ids), finish_reason=out.finish_reason,
+                               migration=req.migration), env
                 )
                 index += len(out.token_ids)
             if finish_reason is not None:  # the next turn starts with this one: keep its KV findable

@@ -28,6 +28,8 @@ _PER_ROLE = {
 _SINGLE = {
     "rerouted": ("deepinfer_balancer_rerouted", "Jobs of a lost worker placed again on another one.", {}),
     "workers_lost": ("deepinfer_balancer_workers_lost", "Workers that fell silent and left the pool.", {}),
+    "released_worker_lost": ("deepinfer_balancer_released", "Requests of a lost worker handed back to the recipe "
+                             "to resume from the tokens it streamed (exact migration).", {}),
     "failed_no_worker": ("deepinfer_balancer_failed", "Requests failed by the balancer, by reason.",
                          {"reason": "no_worker"}),
     "failed_worker_lost": ("deepinfer_balancer_failed", "Requests failed by the balancer, by reason.",

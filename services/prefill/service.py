@@ -59,7 +59,7 @@ class PrefillService(EngineWorker):
             token_ids=list(prompt),
             sampling=req.sampling,
             max_new_tokens=1,
-            output_offset=0,
+            output_offset=req.output_offset,  # a continuation samples at its own output position
             prefix_blocks=prefix,
             prefix_tokens=prefix_tokens,
             prefix_state=state,
@@ -75,14 +75,16 @@ class PrefillService(EngineWorker):
                 return  # cancelled: the client is gone, nothing to hand over
             token = first.token_ids[0]
             # The engine ran with max_new_tokens=1, so it says "length" unless the token itself ends the request.
-            finished = first.finish_reason == "stop" or req.sampling.max_tokens <= 1
+            left = req.remaining_tokens
+            finished = first.finish_reason == "stop" or left <= 1
             event = TokenEvent(
                 request_id=req.request_id,
-                index=0,
+                index=req.output_offset,
                 token_ids=[token],
-                finish_reason=("stop" if req.sampling.max_tokens > 1 else "length") if finished else None,
+                finish_reason=("stop" if left > 1 else "length") if finished else None,
                 prompt_tokens=len(prompt),
                 cached_tokens=first.num_cached_tokens,
+                migration=req.migration,
             )
             if finished or self.cancelled(req.request_id):
                 if finished:
@@ -133,7 +135,9 @@ class PrefillService(EngineWorker):
             prefill_worker=self.config.instance,
             peer_lease_s=lease_s,
         )
-        await self.bus.submit(subjects.ROUTE_DECODE, handoff, msg_id=f"{req.request_id}:handoff")
+        # each migration hands over anew: the same id would fall in the dedup window of the one before
+        suffix = f":m{req.migration}" if req.migration else ""
+        await self.bus.submit(subjects.ROUTE_DECODE, handoff, msg_id=f"{req.request_id}:handoff{suffix}")
 
     async def _export(self, request_id: str, tokens: int) -> ExportedKv:
         """Export the prompt's KV once into its hand-over: into a region of the peer arena where there is one

@@ -35,7 +35,7 @@ def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
                          response_ttl_s=recipe.response_ttl_s, served_names=config.served_model_names,
                          max_model_len=config.max_model_len,
                          trust_client_control_tokens=recipe.allow_control_tokens_in_user_text,
-                         admission=recipe.admission())
+                         admission=recipe.admission(), max_migrations=recipe.max_migrations)
 
 
 if __name__ == "__main__":

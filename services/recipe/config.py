@@ -32,6 +32,10 @@ class RecipeConfig:
     max_queued_tokens: int = option(
         0, env=True,
         help="prompt tokens in flight per model past which a new request gets a 429 with Retry-After; 0 = unbounded")
+    max_migrations: int = option(
+        2, env=True,
+        help="times one request may resume on another worker, from the tokens it streamed, after losing its "
+             "worker (exact: the stream goes on unchanged); past it the request ends with a 503. 0 = never")
 
     def __post_init__(self) -> None:
         if self.response_ttl_s <= 0:

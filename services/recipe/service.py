@@ -8,8 +8,11 @@
 
 Per-request state (a Flight and its token subscription) ends on finish, on cancel, after `ttl_s` without
 a token event (the client then gets a 504 and the workers a Cancel), or when the bus stays down OUTAGE_GRACE_S
-(a 503 and a Cancel; a shorter outage costs nothing: shared/bus.py replays the token streams). A Responses request created with `store`
-is kept (responses_store.py) before its last event goes out, so the client can continue from it at once.
+(a 503 and a Cancel; a shorter outage costs nothing: shared/bus.py replays the token streams). When the worker
+holding a request is lost (the balancer's "lost" event) the request resumes from the tokens streamed so far, on
+another worker, up to `max_migrations` times (flight.py: an exact continuation); the client's stream goes on
+where it was. A Responses request created with `store` is kept (responses_store.py) before its last event goes
+out, so the client can continue from it at once.
 Questions that generate nothing (tokenize, models, stored responses) are answered by `queries.Queries`.
 """
 
@@ -73,15 +76,22 @@ class RecipeService:
         self, model_specs: Sequence[str], *, ttl_s: float = RecipeConfig.request_ttl_s,
         stop_grace_s: float = RecipeConfig.stop_grace_s, response_ttl_s: float = RecipeConfig.response_ttl_s, served_names: Sequence[str] = (), max_model_len: int | None = None,
         trust_client_control_tokens: bool = False, admission: AdmissionLimits | None = None,
+        max_migrations: int = 2,
     ) -> None:
         """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load
         in `start`, off the event loop. `response_ttl_s`: how long a stored response is kept. `served_names` (one
         model only): the names clients call it by, the first also the name the workers serve it under;
         `max_model_len`: every model's context, capped. `trust_client_control_tokens`: chat templates read control
         tokens spelled in client text as control tokens (--allow-control-tokens-in-user-text; unsafe).
-        `admission`: the bound on each model's requests in flight (admission.py); None = unbounded."""
+        `admission`: the bound on each model's requests in flight (admission.py); None = unbounded.
+        `max_migrations`: how many times one request may resume after losing its worker (0 = never)."""
         if not model_specs:
             raise ValueError("the recipe needs at least one model")
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
+        self._max_migrations = max_migrations
+        self.migrations = 0  # continuations submitted since start
+        self.forks = 0  # requests where a repeated position brought another token (Flight.forked_at)
         if served_names and len(model_specs) != 1:
             raise ValueError("served names name one model")
         self._specs = list(model_specs)
@@ -253,13 +263,13 @@ class RecipeService:
             prepared, response_id=_response_id(req, prepared), tokens=model.tokens,
             count_tokens=model.count_tokens,
         )
-        self._flights[rid] = Flight(rid, prepared, processor, time.monotonic())
-        self._ledger.enter(rid, model.name, len(prompt_ids), time.monotonic())  # left in _drop
-        # Subscribe before submitting: the first token can come back before this reply does.
-        self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
         # tenants never share cached prefixes; within one, only requests with the same cache_salt do
         salt = req.tenant if not prepared.cache_salt else f"{req.tenant}\x00{prepared.cache_salt}"
         generate = GenerateRequest(rid, model.name, prompt_ids, sampling, cache_salt=salt, arrival=time.time())
+        self._flights[rid] = Flight(rid, prepared, processor, time.monotonic(), generate, self._max_migrations)
+        self._ledger.enter(rid, model.name, len(prompt_ids), time.monotonic())  # left in _drop
+        # Subscribe before submitting: the first token can come back before this reply does.
+        self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
         try:
             await self._bus.submit(subjects.ROUTE_PREFILL, generate, msg_id=rid)
         except Exception as exc:  # JetStream unavailable: nothing was queued, nothing to cancel
@@ -283,13 +293,39 @@ class RecipeService:
         flight = self._flights.get(ev.request_id)
         if flight is None:
             return  # finished, cancelled or expired: late tokens are dropped
+        forked = flight.forked_at
         try:
             out = flight.on_event(ev, time.monotonic())
         except Exception:  # a codec bug must still end the client's request
             log.exception("%s: formatting failed", ev.request_id)
             out = flight.fail(500, "internal error while formatting the response", "error")
-        if out is not None:
+        if forked is None and flight.forked_at is not None:
+            self.forks += 1
+            log.warning("%s: a repeat of output position %d (migration %d) differs from what was streamed: the "
+                        "stream keeps the first; what follows comes from the other run", ev.request_id,
+                        flight.forked_at, ev.migration)
+        if out is not None and out.resume:
+            await self._resume(flight)
+        elif out is not None:
             await self._emit(flight, out)
+
+    async def _resume(self, flight: Flight) -> None:
+        """The request's worker was lost: submit its continuation (from every token streamed so far) to prefill.
+        The lost worker was told to let go by the balancer; nothing else held the request."""
+        assert self._bus is not None
+        rid = flight.request_id
+        continuation = flight.resume(time.time())
+        self.migrations += 1
+        log.warning("%s: its worker was lost; resuming from %d tokens (migration %d of at most %d)", rid,
+                    continuation.output_offset, continuation.migration, self._max_migrations)
+        try:
+            await self._bus.submit(subjects.ROUTE_PREFILL, continuation, msg_id=f"{rid}:m{continuation.migration}")
+        except Exception as exc:  # JetStream unavailable: nothing queued; end it as the loss would have
+            log.warning("%s: submitting the continuation failed: %s", rid, exc)
+            await self._emit(flight, flight.fail(503, "worker lost, and the request could not be resumed", "error"))
+            return
+        if rid not in self._flights:  # cancelled while being submitted: the workers must drop it too
+            await self._bus.publish(subjects.CANCEL, Cancel(rid, reason="cancelled"))
 
     async def _emit(self, flight: Flight, out: Output) -> None:
         assert self._bus is not None

@@ -84,6 +84,9 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                       help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")
     load.add_argument("--max-queued-tokens", type=int, default=default_of(RecipeConfig, "max_queued_tokens"),
                       help="prompt tokens in flight per model before new requests get a 429; 0 = unbounded")
+    load.add_argument("--max-migrations", type=int, default=default_of(RecipeConfig, "max_migrations"),
+                      help="times one request may resume on another worker after losing its worker (an exact "
+                           "continuation from the tokens it streamed); then a 503. 0 = never")
     run = p.add_argument_group("running")
     run.add_argument("--state-dir", default=str(default_of(ServiceConfig, "state_dir")),
                      help="NATS, KV store and logs live here (one `up` at a time)")
@@ -148,7 +151,7 @@ def _check_values(args: argparse.Namespace) -> None:
               "--speculative-tokens": (args.speculative_tokens, 0), "--max-model-len": (args.max_model_len, 2),
               "--kv-blocks": (args.kv_blocks, 1), "--kv-arena-mib": (args.kv_arena_mib, 1),
               "--max-queued-requests": (args.max_queued_requests, 0),
-              "--max-queued-tokens": (args.max_queued_tokens, 0)}
+              "--max-queued-tokens": (args.max_queued_tokens, 0), "--max-migrations": (args.max_migrations, 0)}
     for flag, (value, low) in lowest.items():
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")

@@ -102,7 +102,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
         plan.add("prefill", f"prefill-{i}", worker, logs)
     for i in range(args.decode_workers):
         plan.add("decode", f"decode-{i}", worker, logs)
-    admission = ["--max-queued-requests", str(args.max_queued_requests), "--max-queued-tokens", str(args.max_queued_tokens)]
+    admission = ["--max-queued-requests", str(args.max_queued_requests), "--max-queued-tokens", str(args.max_queued_tokens),
+                 "--max-migrations", str(args.max_migrations)]
     plan.add("recipe", "recipe-0", capped + admission, logs)
     # the key travels in the environment, not on a command line every user of `ps` can read
     plan.add("gateway", "gateway-0", gateway, logs, {"DEEPINFER_API_KEY": args.api_key} if args.api_key else None)

@@ -14,7 +14,8 @@ class BalancerStats:
 class BalancerStatsReply:
     instance: str
     # since start: routed_<role>, prompt_tokens_<role>, local_hit_tokens_<role>, store_hit_tokens_<role>,
-    # affinity_<role>, rerouted, workers_lost, failed_no_worker, failed_worker_lost
+    # affinity_<role>, rerouted, workers_lost, failed_no_worker, released_worker_lost (handed back to the recipe
+    # to resume), failed_worker_lost (no longer counted: a lost worker's requests are resumed, not failed)
     counters: dict[str, int] = field(default_factory=dict)
     workers: dict[str, int] = field(default_factory=dict)  # role -> workers in the pool now
     assignments: int = 0  # requests placed and not done yet

@@ -27,6 +27,18 @@ class GenerateRequest:
     sampling: SamplingParams
     cache_salt: str = ""  # tenant salt for block hashes
     arrival: float = 0.0  # unix time at the gateway
+    # A continuation (exact migration): the request resumed after the worker holding it was lost. Its last
+    # `output_offset` prompt ids are its own output, already streamed; generation goes on at that output
+    # position with the same sampling (the sampler draws by (seed, position), so the tokens are the ones the lost
+    # worker would have made). `migration` counts the resumptions (0 = the original), so each one has its own
+    # message ids and a worker tells a redelivered older job from a new one.
+    output_offset: int = 0
+    migration: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        """How many tokens the request may still generate."""
+        return self.sampling.max_tokens - self.output_offset
 
 
 @dataclass(frozen=True)
@@ -70,18 +82,27 @@ class TokenEvent:
     request_id: str
     index: int
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "lost" (below)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
     error_status: int = 0
+    migration: int = 0  # the request's migration that sent it (GenerateRequest.migration)
+
+
+# The balancer's TokenEvent when the worker holding a request is gone with its state: the output streamed so far
+# stands and the request may resume from it (a continuation, GenerateRequest.output_offset). It also carries an
+# `error` and a 503, so a consumer that does not resume ends the request as it would on any error.
+LOST = "lost"
 
 
 @dataclass(frozen=True)
 class Cancel:
     """Broadcast on `requests.cancel`: every hop frees what it holds for the request. With `worker_id`, only that
-    worker lets go: the request lives on elsewhere (re-routed away from it), everyone else keeps it."""
+    worker lets go, and only of the request's migrations up to `migration`: the request lives on elsewhere
+    (re-routed or resumed away from it), and a later continuation may still come to that worker."""
 
     request_id: str
     reason: str = "cancelled"
     worker_id: str = ""
+    migration: int = 0

@@ -37,3 +37,4 @@ class RequestDone:
     request_id: str
     worker_id: str
     role: str  # "prefill" | "decode"
+    migration: int = 0  # the request's migration that ended here (GenerateRequest.migration)

@@ -5,9 +5,13 @@ A worker's job handler is its role; everything else is here. The work message is
 (kept alive meanwhile), so a worker that dies mid-job has its job redelivered rather than lost.
 
 A request that ended here (done, or cancelled on `requests.cancel`) is remembered for a while: its job, should it
-come again (redelivered, or overtaken by its cancel), is settled at once and not run. Cancels are marked as they
-arrive and aborted in batches, one engine call per step boundary for all of them, so a flood of hang-ups never
-waits a step each; a cancel that lands while the KV is being exported ends that work quietly (no redelivery).
+come again (redelivered, or overtaken by its cancel), is settled at once and not run. What is remembered is the
+request's migration (GenerateRequest.migration) that ended: a worker that lost a request (silent, or killed and
+restarted) drops the redelivered jobs of that migration, yet runs a later continuation of the same request.
+
+Cancels are marked as they arrive and aborted in batches, one engine call per step boundary for all of them, so
+a flood of hang-ups never waits a step each; a cancel that lands while the KV is being exported ends that work
+quietly (no redelivery).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -24,7 +29,7 @@ from typing import Any
 import orjson
 
 from shared import subjects
-from shared.bus import Bus, Envelope, WorkQueue
+from shared.bus import Bus, Envelope, Retry, WorkQueue
 from shared.config import ServiceConfig, default_batch_tokens
 from shared.engine.api import EngineFailure, RequestError
 from shared.engine.async_engine import AsyncEngine
@@ -42,6 +47,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 ENDED_MEMORY_S = 300.0  # a cancel may overtake its job, a redelivery may follow its end: remember them this long
+EVERY = sys.maxsize  # the migration a plain Cancel ends: all of them, later continuations included
+EARLIER_RUNNING_RETRY_S = 0.5  # a continuation waits this long while its lost predecessor is aborted here
 
 
 class EngineWorker(ABC):
@@ -58,9 +65,10 @@ class EngineWorker(ABC):
         self._kv_bus: Bus | None = None  # the KV store's own connection (see start)
         self.engine: AsyncEngine | None = None
         self.transfer: KvTransfer | None = None  # the engine's KV to and from the store, once it is loaded
-        self.active: set[str] = set()
-        self._ended: dict[str, float] = {}  # request id -> when it was cancelled or finished here (see _forget)
-        self._cancelled: set[str] = set()  # of those, the ones a Cancel ended (their work stops where it is)
+        self.active: dict[str, int] = {}  # request id -> the migration of it running here
+        # request id -> (when, the latest migration of it that was cancelled or finished here; see _forget)
+        self._ended: dict[str, tuple[float, int]] = {}
+        self._cancelled: dict[str, int] = {}  # of those, the ones a Cancel ended -> up to which migration
         self._to_abort: set[str] = set()  # cancelled while active, not yet aborted in the engine
         self._aborter: asyncio.Task[None] | None = None
         self.jobs: Counter[str] = Counter()  # jobs run / dropped (already ended) / cancelled, for health
@@ -179,14 +187,21 @@ class EngineWorker(ABC):
         return subjects.decode_work(self.config.instance)
 
     async def _on_job(self, job: Any, env: Envelope) -> None:
-        request_id = job.request.request_id
-        if request_id in self._ended or request_id in self.active:
-            # settled (acked), not run: the client has had its answer or its cancel, or the job is running already
+        request = job.request
+        request_id, migration = request.request_id, request.migration
+        running = self.active.get(request_id)
+        if self._ended.get(request_id, (0.0, -1))[1] >= migration or (running is not None and running >= migration):
+            # settled (acked), not run: the client has had its answer or its cancel, the request moved on past this
+            # migration, or the job is running already
             self.jobs["dropped"] += 1
-            log.info("dropping a job for %s: %s", request_id,
-                     "running already" if request_id in self.active else "the request already ended")
+            log.info("dropping a job for %s (migration %d): %s", request_id, migration,
+                     "running already" if running is not None else "that part of the request already ended")
             return
-        self.active.add(request_id)
+        if running is not None:
+            # a continuation of a request whose earlier migration this worker still runs (it was taken for lost
+            # while only silent): the Cancel for that one is on its way; the engine holds one of each id
+            raise Retry(f"{request_id}: migration {running} still running here", EARLIER_RUNNING_RETRY_S)
+        self.active[request_id] = migration
         self.jobs["run"] += 1
         failed = False
         try:
@@ -195,28 +210,32 @@ class EngineWorker(ABC):
             # the engine refused what the client asked: answer it (a 400 in the API's format) and settle the
             # job, rather than fail it into redelivery that would refuse it again
             log.info("%s: refused by the engine: %s", request_id, exc)
-            await self.publish_tokens(TokenEvent(request_id, index=0, token_ids=[], finish_reason="error",
-                                                 error=str(exc), error_status=400), env)
+            await self.publish_tokens(TokenEvent(request_id, index=request.output_offset, token_ids=[],
+                                                 finish_reason="error", error=str(exc), error_status=400,
+                                                 migration=migration), env)
         except EngineFailure as exc:
             # the engine failed under the request (not the client's doing): fail it explicitly now, and settle
             # the job, since a redelivery would most likely fail the same way on the same worker
             log.error("%s: %s", request_id, exc)
-            await self.publish_tokens(TokenEvent(request_id, index=0, token_ids=[], finish_reason="error",
-                                                 error=str(exc), error_status=500), env)
+            await self.publish_tokens(TokenEvent(request_id, index=request.output_offset, token_ids=[],
+                                                 finish_reason="error", error=str(exc), error_status=500,
+                                                 migration=migration), env)
         except Exception:
-            if request_id not in self._cancelled:
+            if not self.cancelled(request_id):
                 failed = True  # redelivered to try again: not an end to remember
                 raise
             # the cancel freed the request under a step of it (an export, a store): the work is over, not failed
             log.info("%s: cancelled mid-job", request_id)
         finally:
-            self.active.discard(request_id)
+            was_cancelled = self.cancelled(request_id)
+            del self.active[request_id]
             if not failed:
-                self._end(request_id)
-            if request_id in self._cancelled:
+                self._end(request_id, migration)
+            if was_cancelled:
                 self.jobs["cancelled"] += 1
             assert self.bus is not None
-            await self.bus.publish(subjects.WORKER_DONE, RequestDone(request_id, self.config.instance, self.role))
+            await self.bus.publish(subjects.WORKER_DONE,
+                                   RequestDone(request_id, self.config.instance, self.role, migration=migration))
 
     @abstractmethod
     async def handle(self, job: Any, env: Envelope) -> None: ...
@@ -234,32 +253,41 @@ class EngineWorker(ABC):
         """A Cancel for a request this worker may hold outside the engine (a hand-over): let it go now."""
 
     def cancelled(self, request_id: str) -> bool:
-        """Whether a Cancel ended the request: its handler stops at the next stage rather than start it."""
-        return request_id in self._cancelled
+        """Whether a Cancel ended the request's migration running here: its handler stops at the next stage
+        rather than start it."""
+        return self._cancelled.get(request_id, -1) >= self.active.get(request_id, 0)
 
-    def _end(self, request_id: str) -> None:
+    def _end(self, request_id: str, migration: int) -> None:
         now = time.monotonic()
-        self._ended.pop(request_id, None)  # re-inserted last: the dict stays in time order for _forget
-        self._ended[request_id] = now
+        _, before = self._ended.pop(request_id, (now, -1))  # re-inserted last: the dict stays in time order
+        self._ended[request_id] = (now, max(before, migration))
         self._forget(now)  # stops at the first fresh entry: constant work per call, amortised
 
     def _forget(self, now: float) -> None:
-        for request_id, at in list(self._ended.items()):
+        for request_id, (at, _) in list(self._ended.items()):
             if now - at <= ENDED_MEMORY_S:
                 break  # insertion order is time order
             del self._ended[request_id]
-            self._cancelled.discard(request_id)
+            self._cancelled.pop(request_id, None)
 
     async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
         """Mark, and leave the engine to the aborter: this handler never waits for a step (the subscription runs
-        its messages one at a time, so waiting here would queue every later cancel behind it)."""
+        its messages one at a time, so waiting here would queue every later cancel behind it).
+
+        A plain Cancel ends every migration of the request; one addressed to this worker (it was taken for lost)
+        ends the migrations up to the one it names, and a later continuation may still run here."""
         request_id = cancel.request_id
-        if request_id in self._cancelled or cancel.worker_id not in ("", self.config.instance):
+        if cancel.worker_id not in ("", self.config.instance):
             return
-        self._cancelled.add(request_id)
-        self._end(request_id)
-        self.on_cancel(request_id)
-        if request_id in self.active:
+        upto = cancel.migration if cancel.worker_id else EVERY
+        if self._cancelled.get(request_id, -1) >= upto:
+            return
+        self._cancelled[request_id] = upto
+        self._end(request_id, upto)
+        running = self.active.get(request_id)
+        if running is None or running <= upto:
+            self.on_cancel(request_id)
+        if running is not None and running <= upto:
             log.info("cancel %s (%s)", request_id, cancel.reason)
             self._to_abort.add(request_id)
             if self._aborter is None or self._aborter.done():

@@ -101,12 +101,14 @@ async def test_prefill_routing_worker_loss_and_no_worker(nats_url: str) -> None:
         await until(lambda: sum(j.request.request_id.startswith("b") for j in jobs["w2"]) == 3, 5.0, "b jobs on w2")
         assert len(jobs["w1"]) == w1_count
 
-        # w2 goes silent too: everything it held fails explicitly, and a new request fails after the wait.
+        # w2 goes silent too: everything it held goes back to the recipe to resume ("lost", with a 503 for a
+        # consumer that does not), and a new request fails after the wait.
         workers.alive = set()
         await until(lambda: "w2" not in balancer.registry, 3.0, "w2 to leave the pool")
         held = {j.request.request_id for j in jobs["w2"]}
-        await until(lambda: held <= errors.keys(), 3.0, "worker-lost errors")
-        assert {errors[r].error for r in held} == {"worker lost"}
+        await until(lambda: held <= errors.keys(), 3.0, "worker-lost events")
+        assert {(errors[r].finish_reason, errors[r].error, errors[r].error_status) for r in held} == {
+            ("lost", "worker lost", 503)}
         await side.submit(subjects.ROUTE_PREFILL, request("c0"), msg_id="c0")
         await until(lambda: "c0" in errors, 5.0, "the no-worker error")
         event = errors["c0"]

@@ -233,3 +233,78 @@ async def test_non_streaming_request_sends_keepalives(mesh: Mesh, monkeypatch: p
     assert len(keepalives) >= 2
     assert [e.seq for e in got] == list(range(len(got)))
     assert orjson.loads(got[-1].body)["choices"][0]["message"]["content"] == " one two three four five six"
+
+
+def _content(got: list[ApiEvent]) -> str:
+    chunks = [orjson.loads(f.removeprefix(b"data: ")) for e in got for f in e.frames if f != b"data: [DONE]\n\n"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+async def test_a_lost_worker_resumes_the_stream_exactly_and_a_bounded_number_of_times(mesh: Mesh) -> None:
+    """The balancer's "lost" event: the recipe submits the continuation (the prompt and the 5 tokens streamed, at
+    output offset 5, the same sampling, as migration 1); the client's stream goes on with no gap and no repeat
+    (the continuation's repeat of position 4 is dropped, the lost run's late error ignored). After
+    max_migrations (2) resumptions the next loss ends the request with the event's 503 and a Cancel."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to eight."}], "stream": True,
+            "max_tokens": 40, "temperature": 0.7, "seed": 11}
+    rid, reply, events = await mesh.prepare("chat", body, tenant="acme")
+    work = await asyncio.wait_for(mesh.work.get(), 5.0)
+    ids = mesh.tokenizer.encode(" one two three four five six seven eight") + [EOS]
+    await mesh.tokens(rid, *(TokenEvent(rid, i, [ids[i]], None, reply.prompt_tokens if i == 0 else 0)
+                             for i in range(5)))
+    await mesh.tokens(rid, TokenEvent(rid, 0, [], "lost", error="worker lost", error_status=503))
+    resumed = await asyncio.wait_for(mesh.work.get(), 5.0)
+    assert (resumed.request_id, resumed.prompt_ids, resumed.output_offset, resumed.migration) == (
+        rid, work.prompt_ids + ids[:5], 5, 1)
+    assert (resumed.sampling, resumed.cache_salt, resumed.model) == (work.sampling, work.cache_salt, work.model)
+    await mesh.tokens(rid, TokenEvent(rid, 0, [], "error", error="aborted", error_status=500, migration=0),
+                      TokenEvent(rid, 4, [ids[4]], migration=1), TokenEvent(rid, 5, ids[5:], "stop", migration=1))
+    got = await mesh.until_done(events)
+    assert got[-1].status == 200 and _content(got) == " one two three four five six seven eight"
+    assert got[-1].output_tokens == len(ids)  # each token counted once
+    assert mesh.cancels.empty() and mesh.recipe.migrations == 1 and mesh.recipe.forks == 0
+
+    rid, reply, events = await mesh.prepare("chat", body)
+    await asyncio.wait_for(mesh.work.get(), 5.0)
+    await mesh.tokens(rid, TokenEvent(rid, 0, [ids[0]], None, reply.prompt_tokens))
+    for migration in (0, 1):
+        await mesh.tokens(rid, TokenEvent(rid, 0, [], "lost", error="worker lost", error_status=503,
+                                          migration=migration))
+        assert (await asyncio.wait_for(mesh.work.get(), 5.0)).migration == migration + 1
+        await mesh.tokens(rid, TokenEvent(rid, 0, [], "lost", error="worker lost", error_status=503,
+                                          migration=migration))  # the same loss told twice: resumed once
+    await mesh.tokens(rid, TokenEvent(rid, 0, [], "lost", error="worker lost", error_status=503, migration=2))
+    got = await mesh.until_done(events)
+    assert got[-1].status == 503 and _content(got) == " one"
+    assert "worker lost" in orjson.loads(got[-1].body)["error"]["message"]
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="error")
+    assert mesh.work.empty() and mesh.recipe.migrations == 3
+
+
+async def test_a_request_finished_by_the_run_it_moved_past_cancels_its_continuation(mesh: Mesh) -> None:
+    """A lost worker that was only silent finishes the request before its continuation does: the answer is the
+    same (exact), the client gets it, and the continuation, still running for nobody, is cancelled."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 9}
+    rid, reply, events = await mesh.prepare("chat", body)
+    await asyncio.wait_for(mesh.work.get(), 5.0)
+    ids = mesh.tokenizer.encode(" one two three") + [EOS]
+    await mesh.tokens(rid, TokenEvent(rid, 0, ids[:2], None, reply.prompt_tokens),
+                      TokenEvent(rid, 0, [], "lost", error="worker lost", error_status=503))
+    assert (await asyncio.wait_for(mesh.work.get(), 5.0)).migration == 1
+    await mesh.tokens(rid, TokenEvent(rid, 2, ids[2:], "stop"))  # the old run (migration 0) ends it
+    got = await mesh.until_done(events)
+    assert got[-1].status == 200 and _content(got) == " one two three"
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="finished")
+
+
+async def test_a_repeat_that_brings_another_token_is_noted_and_the_client_keeps_the_first(mesh: Mesh) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 9}
+    rid, reply, events = await mesh.prepare("chat", body)
+    await asyncio.wait_for(mesh.work.get(), 5.0)
+    ids = mesh.tokenizer.encode(" one two three") + [EOS]
+    other = mesh.tokenizer.encode(" six")
+    await mesh.tokens(rid, TokenEvent(rid, 0, ids[:1], None, reply.prompt_tokens),
+                      TokenEvent(rid, 0, other, None, reply.prompt_tokens),  # a re-routed prefill, sampled otherwise
+                      TokenEvent(rid, 1, ids[1:], "stop"))
+    got = await mesh.until_done(events)
+    assert _content(got) == " one two three" and mesh.recipe.forks == 1

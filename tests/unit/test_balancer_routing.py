@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ from services.balancer.config import BalancerConfig
 from services.balancer.service import BalancerService
 from shared import hashing, subjects
 from shared.bus import Envelope, Retry
-from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
+from shared.schemas.generate import LOST, Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
 from shared.schemas.events import TIER_LOCAL, TIER_SSD, KvSnapshot
 from shared.schemas.workers import Heartbeat, RequestDone
 
@@ -86,6 +87,12 @@ def errors(bus: FakeBus) -> list[tuple[str, str]]:
     return [(m.request_id, m.error) for s, m in bus.published if isinstance(m, TokenEvent) and m.error_status == 503]
 
 
+def lost(bus: FakeBus) -> list[tuple[str, int]]:
+    """(request id, migration) of every "lost" event: the recipe resumes those requests."""
+    return [(m.request_id, m.migration) for s, m in bus.published
+            if isinstance(m, TokenEvent) and m.finish_reason == LOST]
+
+
 async def test_no_worker_retries_then_fails_with_503(setup: Any) -> None:
     svc, bus, clock = setup
     with pytest.raises(Retry):
@@ -116,7 +123,7 @@ async def test_places_spreads_and_ignores_redelivery(setup: Any) -> None:
     assert all(isinstance(m, PrefillJob) for _, m, _ in bus.submitted)
 
 
-async def test_lost_prefill_worker_reroutes_and_lost_decode_worker_fails(setup: Any) -> None:
+async def test_lost_prefill_worker_reroutes_and_lost_decode_worker_hands_its_request_back(setup: Any) -> None:
     svc, bus, clock = setup
     await heartbeat(svc, "p1", clock)
     await heartbeat(svc, "p2", clock, queued_tokens=10_000)
@@ -139,17 +146,21 @@ async def test_lost_prefill_worker_reroutes_and_lost_decode_worker_fails(setup: 
         "r1:prefill:1",
     )
     assert len(bus.submitted) == 4
-    assert errors(bus) == [("r3", "worker lost")]
+    assert errors(bus) == [("r3", "worker lost")]  # with a 503, for a consumer that does not resume
+    assert lost(bus) == [("r3", 0)]  # the recipe resumes it: a distinct kind, not a 503 to match by text
     assert svc.assignments.get("r1", "prefill").worker_id == "p2"  # type: ignore[union-attr]
+    # nobody but the lost workers lets go: the requests live on
+    assert [m for s, m in bus.published if s == subjects.CANCEL] == [
+        Cancel("r1", "re-routed", worker_id="p1"), Cancel("r3", "worker lost", worker_id="d1")]
 
 
-async def test_lost_prefill_worker_with_no_other_worker_fails(setup: Any) -> None:
+async def test_lost_prefill_worker_with_no_other_worker_hands_its_request_back(setup: Any) -> None:
     svc, bus, clock = setup
     await heartbeat(svc, "p1", clock)
     await svc.route("prefill", request("r1"))
     clock.t += 3.5
     await svc.reap(clock.t)
-    assert errors(bus) == [("r1", "worker lost")]
+    assert errors(bus) == [("r1", "worker lost")] and lost(bus) == [("r1", 0)]
     assert len(svc.assignments) == 0
 
 
@@ -163,9 +174,42 @@ async def test_every_failure_it_sends_the_client_is_also_a_cancel(setup: Any) ->
     await heartbeat(svc, "d1", clock, role="decode")
     await svc.route("decode", decode_job("r2"))
     clock.t += 3.5
-    await svc.reap(clock.t)  # d1 silent: r2 fails
+    await svc.reap(clock.t)  # d1 silent: r2 is handed back (to resume), d1 alone lets go of it
     assert errors(bus) == [("r1", "no prefill worker available"), ("r2", "worker lost")]
-    assert cancels(bus) == [("r1", "no prefill worker available"), ("r2", "worker lost")]
+    assert [m for s, m in bus.published if s == subjects.CANCEL] == [
+        Cancel("r1", "no prefill worker available"), Cancel("r2", "worker lost", worker_id="d1")]
+
+
+async def test_a_continuation_is_routed_as_a_new_migration_and_the_old_one_cannot_disturb_it(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await heartbeat(svc, "d1", clock, role="decode")
+    await svc.route("prefill", request("r1"))
+    await svc.route("decode", decode_job("r1"))
+    clock.t += 2.0
+    await heartbeat(svc, "p1", clock)
+    await heartbeat(svc, "d2", clock, role="decode")
+    clock.t += 2.0
+    await svc.reap(clock.t)  # d1 lost mid-decode
+    assert lost(bus) == [("r1", 0)]
+    # the recipe resumes r1: prompt + 5 streamed tokens, as migration 1
+    original = request("r1")
+    resumed = dataclasses.replace(original, prompt_ids=original.prompt_ids + [7] * 5, output_offset=5, migration=1)
+    await svc.route("prefill", resumed)
+    await svc.route("prefill", original)  # a late redelivery of migration 0: the request moved past it
+    await svc.route("decode", dataclasses.replace(decode_job("r1"), request=resumed))
+    await svc.route("decode", decode_job("r1"))  # migration 0's hand-off again: dropped as well
+    ids = [i for _, _, i in bus.submitted]
+    assert ids == ["r1:prefill", "r1:decode", "r1:prefill:m1", "r1:decode:m1"]  # none in another's dedup window
+    assert bus.submitted[-1][1].worker_id == "d2"
+    await svc._on_done(RequestDone("r1", "d2", "decode", migration=0), ENV)  # an old run's end on d2
+    assert svc.assignments.get("r1", "decode").migration == 1  # type: ignore[union-attr]
+    clock.t += 2.0
+    await heartbeat(svc, "p1", clock)
+    clock.t += 2.0
+    await svc.reap(clock.t)  # d2 lost too: the second loss names migration 1
+    assert lost(bus) == [("r1", 0), ("r1", 1)]
+    assert Cancel("r1", "worker lost", worker_id="d2", migration=1) in [m for _, m in bus.published]
 
 
 async def test_a_lost_worker_that_comes_back_is_told_again_what_ended_while_it_was_gone(setup: Any) -> None:
@@ -313,3 +357,21 @@ async def test_policies_are_chosen_by_name() -> None:
     await svc.stop()
     with pytest.raises(ValueError):
         BalancerConfig(("prefill",), prefill_policy="psychic")
+
+
+
+async def test_a_client_that_hangs_up_during_a_migration_gets_no_continuation_placed(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await heartbeat(svc, "d1", clock, role="decode")
+    await svc.route("decode", decode_job("r1"))
+    clock.t += 2.0
+    await heartbeat(svc, "p1", clock)
+    clock.t += 2.0
+    await svc.reap(clock.t)  # d1 lost: r1 handed back to the recipe, which resumes it
+    assert lost(bus) == [("r1", 0)]
+    await svc._on_cancel(Cancel("r1", "client disconnected"), ENV)  # ...and then the client leaves
+    original = request("r1")
+    await svc.route("prefill", dataclasses.replace(original, prompt_ids=original.prompt_ids + [7], output_offset=1,
+                                                  migration=1))
+    assert [i for _, _, i in bus.submitted] == ["r1:decode"] and len(svc.assignments) == 0

@@ -43,7 +43,8 @@ KV = KvStatsReply(
 BALANCER = BalancerStatsReply(
     instance="balancer-0",
     counters={"routed_prefill": 3, "prompt_tokens_prefill": 120, "local_hit_tokens_prefill": 32, "rerouted": 1,
-              "failed_no_worker": 2, "failed_worker_lost": 1, "affinity_decode": 1, "novel": 4},
+              "failed_no_worker": 2, "failed_worker_lost": 1, "affinity_decode": 1, "novel": 4,
+              "released_worker_lost": 3},
     workers={"prefill": 1, "decode": 2},
     assignments=1,
     kv_sources=3,
@@ -138,6 +139,7 @@ async def test_kvcache_and_balancer_statistics_and_their_absence() -> None:
     assert value(parsed, "deepinfer_balancer_failed_total", reason="no_worker") == 2
     assert value(parsed, "deepinfer_balancer_failed_total", reason="worker_lost") == 1
     assert value(parsed, "deepinfer_balancer_rerouted_total") == 1
+    assert value(parsed, "deepinfer_balancer_released_total") == 3
     assert value(parsed, "deepinfer_balancer_events_total", counter="novel") == 4
     assert value(parsed, "deepinfer_balancer_workers", role="decode") == 2
     assert value(parsed, "deepinfer_balancer_kv_feed_total", counter="resyncs") == 1

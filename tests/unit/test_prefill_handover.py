@@ -6,6 +6,7 @@ the hand-over leaves nothing held anywhere."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from services.prefill.service import PrefillService
 from shared import subjects
 from shared.config import ServiceConfig
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.engine.loader import LoadedModel
 from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
 from shared.schemas.kv import KvLookupReply
@@ -38,6 +39,7 @@ class FakeBus:
     """Records what is published and submitted, in order."""
 
     sent: list[tuple[str, Any]] = field(default_factory=list)
+    msg_ids: list[str] = field(default_factory=list)
     max_payload: int = 1 << 20
 
     async def publish(self, subject: str, message: Any, **kwargs: Any) -> None:
@@ -45,6 +47,7 @@ class FakeBus:
 
     async def submit(self, subject: str, message: Any, **kwargs: Any) -> None:
         self.sent.append((subject, message))
+        self.msg_ids.append(kwargs["msg_id"])
 
 
 class FakeKv:
@@ -170,7 +173,7 @@ async def test_a_cancel_during_the_hand_over_leaves_nothing_held(checkpoint: Pat
         assert exporter.held == 1  # the store's put still reads the region's views
     kv.gate.set()
     await task  # settled, not failed into redelivery
-    assert await held(svc) == 0 and svc.active == set()
+    assert await held(svc) == 0 and not svc.active
     if exporter is not None:
         assert exporter.held == 0 and exporter.counts["regions"] == 1  # the put over: the region is free
         exporter.close()
@@ -201,3 +204,24 @@ async def test_on_one_host_the_hand_over_holds_a_region_not_bytes_and_the_store_
         exporter.close()
         assert svc.engine is not None
         await svc.engine.stop()
+
+
+async def test_a_continuation_samples_at_its_position_and_hands_over_anew(checkpoint: Path,  # noqa: F811
+                                                                       loaded: LoadedModel) -> None:  # noqa: F811
+    """A resumed request (migration 1, 5 tokens already streamed): prefill's token goes out at position 5, is the
+    token the original run drew there (the draw is keyed by (seed, position)), and the hand-over to decode has a
+    message id of its own (the original's is still in JetStream's dedup window)."""
+    svc = prefill(checkpoint, loaded, "store")
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=77, ignore_eos=True)
+    original = dataclasses.replace(job("r5").request, sampling=sampling)
+    assert svc.engine is not None
+    uninterrupted = [EngineRequest("w", original.prompt_ids, sampling, 6)]
+    whole = (await svc.engine.call(run_to_completion, svc.engine.engine, uninterrupted))["w"]
+    resumed = dataclasses.replace(original, prompt_ids=original.prompt_ids + whole[:5], output_offset=5, migration=1)
+    await svc._on_job(PrefillJob(resumed, "prefill-test"), ENV)
+    bus: FakeBus = svc.bus  # type: ignore[assignment]
+    (event,) = [m for s, m in bus.sent if isinstance(m, TokenEvent)]
+    assert (event.index, event.token_ids, event.migration, event.finish_reason) == (5, [whole[5]], 1, None)
+    assert decode_job(svc).request.output_offset == 5
+    assert bus.msg_ids == ["r5:handoff:m1"]
+    await svc.engine.stop()

@@ -9,6 +9,7 @@ redelivery, and redelivered jobs running for clients long gone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 
 from services.decode.service import DecodeService
 from shared import subjects
-from shared.bus import Envelope
+from shared.bus import Envelope, Retry
 from shared.config import ServiceConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine
@@ -87,8 +88,10 @@ def job(rid: str, max_tokens: int, prompt: int = 40) -> DecodeJob:
 
 
 def tokens_of(svc: DecodeService, rid: str) -> int:
+    """Output positions published for `rid` (prefill's token, which decode sends again, counts once)."""
     bus: FakeBus = svc.bus  # type: ignore[assignment]
-    return sum(len(m.token_ids) for s, m in bus.published if s == subjects.tokens(rid) and isinstance(m, TokenEvent))
+    return len({m.index + k for s, m in bus.published if s == subjects.tokens(rid) and isinstance(m, TokenEvent)
+                for k in range(len(m.token_ids))})
 
 
 async def free_blocks(svc: DecodeService) -> tuple[int, int]:
@@ -111,16 +114,16 @@ async def test_a_flood_of_cancels_is_one_engine_call_and_frees_every_block(check
     svc.engine.abort_many = recording  # type: ignore[method-assign]
     rids = [f"r{i:02d}" for i in range(30)]
     tasks = [asyncio.create_task(svc._on_job(job(rid, max_tokens=200), ENV)) for rid in rids]
-    while not all(tokens_of(svc, rid) > 0 for rid in rids):  # every one is generating
+    while not all(tokens_of(svc, rid) > 1 for rid in rids):  # every one is generating
         await asyncio.sleep(0.01)
     for rid in rids:
         await svc._on_cancel(Cancel(rid, "client disconnected"), ENV)
     await asyncio.gather(*tasks)  # none raised: a cancelled job is settled, not failed into redelivery
     assert batches == [rids]  # all thirty aborted together, between two steps
-    assert all(tokens_of(svc, rid) < 199 for rid in rids)
+    assert all(tokens_of(svc, rid) < 200 for rid in rids)
     assert svc.jobs == {"run": 30, "cancelled": 30}
     free, total = await free_blocks(svc)
-    assert free == total and svc.active == set()
+    assert free == total and not svc.active
     await svc.engine.stop()
 
 
@@ -153,7 +156,7 @@ async def test_a_job_for_a_request_that_ended_is_dropped_unrun(checkpoint: Path,
     await svc._on_job(job("early", max_tokens=4), ENV)
     await svc._on_job(job("done", max_tokens=4), ENV)
     await svc._on_job(job("done", max_tokens=4), ENV)  # redelivered after it finished
-    assert tokens_of(svc, "early") == 0 and tokens_of(svc, "done") == 4 - 1  # prefill sent the first
+    assert tokens_of(svc, "early") == 0 and tokens_of(svc, "done") == 4  # prefill's first and 3 more
     assert svc.jobs == {"run": 1, "dropped": 2}
     await svc.engine.stop()
 
@@ -167,7 +170,7 @@ async def test_a_job_that_failed_is_not_an_end_its_redelivery_runs(checkpoint: P
     with pytest.raises(ConnectionError):  # the bus naks it: redelivered
         await svc._on_job(job("r1", max_tokens=4), ENV)
     await svc._on_job(job("r1", max_tokens=4), ENV)
-    assert tokens_of(svc, "r1") == 4 - 1
+    assert tokens_of(svc, "r1") == 4
     assert svc.jobs == {"run": 2}
     await svc.engine.stop()
 
@@ -195,5 +198,79 @@ async def test_an_engine_failure_answers_the_client_with_a_500_at_once(checkpoin
     assert len(errors) == 1 and errors[0].error_status == 500 and "CUDA out of memory" in errors[0].error
     assert "r1" in svc._ended  # a redelivery of its job is dropped, not run again
     await asyncio.wait_for(svc._on_job(job("r2", max_tokens=4), ENV), timeout=60)
-    assert tokens_of(svc, "r2") == 4 - 1
+    assert tokens_of(svc, "r2") == 4
+    await svc.engine.stop()
+
+
+def emitted(svc: DecodeService, rid: str) -> dict[int, list[int]]:
+    """Output position -> the tokens published there for `rid`."""
+    bus: FakeBus = svc.bus  # type: ignore[assignment]
+    return {m.index: m.token_ids for s, m in bus.published
+            if s == subjects.tokens(rid) and isinstance(m, TokenEvent) and m.token_ids}
+
+
+def continuation(original: DecodeJob, output: list[int], k: int, migration: int = 1) -> DecodeJob:
+    """What the mesh hands decode after a loss at output position k: the prompt plus the k tokens the client has,
+    and output[k] as the token prefill sampled for position k."""
+    request = dataclasses.replace(original.request, prompt_ids=[*original.request.prompt_ids, *output[:k]],
+                                  output_offset=k, migration=migration)
+    return dataclasses.replace(original, request=request, first_token=output[k])
+
+
+async def test_a_continuation_makes_the_tokens_the_lost_run_would_have(checkpoint: Path,  # noqa: F811
+                                                                        loaded: LoadedModel) -> None:  # noqa: F811
+    """Seeded sampling (and a repetition penalty, which looks at every token so far) resumed at output position 9
+    from the prompt and the tokens streamed: the same tokens at the same positions as the uninterrupted run."""
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    # min_tokens = max_tokens: no stop id can end it early (stop ids masked by output position, continued too)
+    sampling = SamplingParams(max_tokens=24, temperature=0.9, seed=1234, repetition_penalty=1.3, min_tokens=24)
+    whole = dataclasses.replace(job("w", 24), request=dataclasses.replace(job("w", 24).request, sampling=sampling))
+    await svc._on_job(whole, ENV)
+    positions = emitted(svc, "w")
+    output = [t for i in sorted(positions) for t in positions[i]]
+    assert output[0] == whole.first_token
+    assert len(output) == 24
+    resumed = continuation(dataclasses.replace(whole, request=dataclasses.replace(whole.request, request_id="c")),
+                           output, 9)
+    await svc._on_job(resumed, ENV)
+    again = emitted(svc, "c")
+    assert min(again) == 9  # after the client's 9 tokens: prefill's 10th (sent again), then decode's own
+    assert [t for i in sorted(again) for t in again[i]] == output[9:]
+    await svc.engine.stop()
+
+
+async def test_a_lost_migration_is_let_go_and_its_continuation_runs_on_the_same_worker(  # noqa: F811
+        checkpoint: Path, loaded: LoadedModel) -> None:  # noqa: F811
+    """The balancer took this worker for lost: its Cancel for migration 0 drops the redelivered migration-0 job
+    (the restarted worker must not run it for nobody) but not the request's continuation placed here later; a
+    continuation that comes while migration 0 still runs waits (Retry) for the abort; a plain Cancel (the client
+    left) ends every migration."""
+    svc = worker(checkpoint, loaded)
+    assert svc.engine is not None
+    first = job("r1", max_tokens=400)
+    running = asyncio.create_task(svc._on_job(first, ENV))
+    while not emitted(svc, "r1"):
+        await asyncio.sleep(0.01)
+    resumed = continuation(first, [7] * 20, 3)
+    with pytest.raises(Retry):  # migration 0 is still in the engine: the same id cannot go in twice
+        await svc._on_job(resumed, ENV)
+    await svc._on_cancel(Cancel("r1", "worker lost", worker_id="decode-test", migration=0), ENV)
+    await running  # aborted, settled
+    await svc._on_job(first, ENV)  # redelivered migration 0: dropped
+    assert svc.jobs == {"run": 1, "cancelled": 1, "dropped": 1}
+    short = dataclasses.replace(resumed, request=dataclasses.replace(
+        resumed.request, sampling=SamplingParams(max_tokens=8, seed=3, ignore_eos=True)))
+    bus: FakeBus = svc.bus  # type: ignore[assignment]
+    before = len(bus.published)
+    await svc._on_job(short, ENV)  # the continuation runs here: positions 3 (prefill's, again) .. 7
+    assert svc.jobs["run"] == 2
+    events = [m for _, m in bus.published[before:] if isinstance(m, TokenEvent)]
+    assert [i for m in events for i in range(m.index, m.index + len(m.token_ids))] == [3, 4, 5, 6, 7]
+    assert {m.migration for m in events} == {1}
+    await svc._on_cancel(Cancel("r1", "client disconnected"), ENV)
+    await svc._on_job(dataclasses.replace(short, request=dataclasses.replace(short.request, migration=2)), ENV)
+    assert svc.jobs["dropped"] == 2 and svc.jobs["run"] == 2
+    free, total = await free_blocks(svc)
+    assert free == total and not svc.active
     await svc.engine.stop()
