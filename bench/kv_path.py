@@ -118,7 +118,9 @@ def llama8b_cache(blocks: int, device: torch.device) -> KVCache:
 
 
 def tensors(cache: Cache) -> list[torch.Tensor]:
-    return [cache.kv] if isinstance(cache, KVCache) else list(cache._paged)  # noqa: SLF001
+    if isinstance(cache, KVCache):
+        return [cache.kv]
+    return [t[: cache.num_blocks] for t in cache._paged]  # noqa: SLF001  (past them: the scratch block)
 
 
 def v4_spec() -> DeepseekV4Spec:
