@@ -22,7 +22,7 @@ import orjson
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.schemas.balancer import BalancerStats, BalancerStatsReply
-from shared.schemas.workers import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest
 from shared.service import health_subject
 from tests.integration.mesh import pids_mentioning
 
