@@ -77,6 +77,8 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                          default=None, help="tokens per engine step (chunked prefill); default: "
                          f"{DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU {GPU_BATCH_TOKENS['prefill']} for a prefill worker "
                          f"and {GPU_BATCH_TOKENS['decode']} for decode")
+    workers.add_argument("--enforce-eager", action="store_true", default=default_of(WorkerConfig, "enforce_eager"),
+                         help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
     workers.add_argument("--speculative-tokens", type=int, default=default_of(WorkerConfig, "speculative_tokens"),
                          help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")

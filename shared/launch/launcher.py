@@ -91,6 +91,7 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         ("--kv-blocks", args.kv_blocks), ("--kv-arena-mib", args.kv_arena_mib),
                         ("--gpu-memory-utilization", cli_up.worker_share(args))):
         worker += [flag, str(value)] if value is not None else []
+    worker += ["--enforce-eager"] if args.enforce_eager else []
     gateway = capped + ["--host", args.host, "--port", str(args.port),
                         "--client-idle-timeout", str(args.client_idle_timeout),
                         "--client-header-timeout", str(args.client_header_timeout),

@@ -31,6 +31,8 @@ class WorkerConfig:
              f"{GPU_BATCH_TOKENS['prefill']} for a prefill worker and {GPU_BATCH_TOKENS['decode']} for a decode worker")
     max_running: int = option(DEFAULT_MAX_RUNNING, aliases=("--max-num-seqs",), help="requests held at once")
     speculative_tokens: int = option(0, help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
+    enforce_eager: bool = option(
+        False, env=True, help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
     # share of the GPU this worker may fill; None = the engine's rule
     gpu_memory_utilization: float | None = option(
         None, help="share of the GPU's total memory this worker may fill: weights, activations (measured) and KV "

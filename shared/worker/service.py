@@ -141,6 +141,7 @@ class EngineWorker(ABC):
                 speculative_tokens=self.worker.speculative_tokens,
                 max_model_len=self.config.max_model_len,
                 gpu_memory_utilization=self.worker.gpu_memory_utilization,
+                cuda_graphs=not self.worker.enforce_eager,
             )
         except Exception as exc:
             log.exception("could not load model %s", self.config.model)
