@@ -19,14 +19,13 @@ from collections import Counter
 from shared import hashing
 from shared.bus import Envelope
 from shared.config import ServiceConfig
-from shared.engine.engine import EngineRequest
 from shared.worker.kv_peer import PeerPuller
 from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MESSAGE_OVERHEAD, MiB
 from shared.schemas.generate import DecodeJob, TokenEvent
 from shared.worker import short_term
 from shared.worker.config import WorkerConfig
-from shared.worker.service import EngineWorker
+from shared.worker.service import EngineRequest, EngineWorker
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import time
 from shared import hashing, subjects
 from shared.bus import Envelope
 from shared.config import ServiceConfig
-from shared.engine.engine import EngineRequest
 from shared.worker.kv_peer import Handovers
 from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MiB
@@ -27,7 +26,7 @@ from shared.schemas.kv_peer import KvPeerDone, KvPeerPull
 from shared.worker import short_term
 from shared.worker.config import WorkerConfig
 from shared.worker.kv_transfer import ExportedKv
-from shared.worker.service import EngineWorker
+from shared.worker.service import EngineRequest, EngineWorker
 
 log = logging.getLogger(__name__)
 

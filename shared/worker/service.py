@@ -33,7 +33,7 @@ from shared.bus import Bus, Envelope, Retry, WorkQueue
 from shared.config import ServiceConfig, default_batch_tokens
 from shared.engine.api import EngineFailure, RequestError
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, EngineRequest  # EngineRequest: what the role handlers submit
 from shared.kv_events import EventPublisher
 from shared.worker.config import WorkerConfig
 from shared.worker.kv_transfer import KvTransfer
@@ -42,6 +42,8 @@ from shared.models import resolve
 from shared.schemas.events import TIER_LOCAL
 from shared.schemas.generate import Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
+
+__all__ = ["EngineRequest", "EngineWorker"]
 
 log = logging.getLogger(__name__)
 
