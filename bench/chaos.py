@@ -18,7 +18,8 @@ the reference answer of the same request:
 
 A scenario is an async function in SCENARIOS: it gets the mesh and the load's live streams, strikes once when
 it chooses, and returns a line saying what it did. After each, the bench waits until the mesh has every worker
-back, so scenarios do not overlap. Add one (a NATS restart, say) by writing the function and naming it there.
+back, so scenarios do not overlap (nats-kill: a NATS restart). Add one by writing the function and naming it
+there.
 
     .venv/bin/python bench/chaos.py [--requests 24] [--concurrency 6] [--max-tokens 32] [--scenarios decode-kill]
 """
@@ -56,6 +57,7 @@ from tests.integration.chaos import (  # noqa: E402
     workload,
 )
 from tests.integration.mesh import Mesh, start_mesh  # noqa: E402
+from tests.integration.nats_chaos import nats_server_pid  # noqa: E402
 
 PREFILL = ("prefill-0", "prefill-1")
 DECODE = ("decode-0", "decode-1")
@@ -83,7 +85,18 @@ async def prefill_kill(mesh: Mesh, streams: Sequence[Streamed]) -> str:
     return await _kill_busiest(mesh, "prefill", PREFILL)
 
 
-SCENARIOS: dict[str, Scenario] = {"decode-kill": decode_kill, "prefill-kill": prefill_kill}
+async def nats_kill(mesh: Mesh, streams: Sequence[Streamed]) -> str:
+    """SIGKILL the stack's nats-server once every stream so far has sent text: the launcher restarts it on its
+    kept port, the services reconnect, and the streams resume from the replayed token messages."""
+    deadline = time.monotonic() + 60
+    while not (streams and all(s.chunks for s in streams)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    pid = nats_server_pid(Path(mesh.state_dir))
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILL nats-server (pid {pid}, {len(streams)} streams started)"
+
+
+SCENARIOS: dict[str, Scenario] = {"decode-kill": decode_kill, "prefill-kill": prefill_kill, "nats-kill": nats_kill}
 
 
 @dataclass
