@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.timing import ceilings, cuda_time  # noqa: E402
+from bench.timing import ceilings, cuda_time, kernel_rows  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.engine import Engine, EngineRequest  # noqa: E402
 from shared.engine.loader import LoadedModel  # noqa: E402
@@ -124,13 +124,7 @@ def kernel_breakdown(engine: Engine, batch: int, vocab: int, top: int = 8) -> li
             engine.step()
     for rid in list(engine.scheduler.seqs):
         engine.abort(rid)
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0 and e.count:
-            rows.append((e.key[:60], t / steps, e.count // steps))
-    rows.sort(key=lambda r: -r[1])
-    return rows[:top]
+    return kernel_rows(prof, steps, width=60)[:top]
 
 
 # --- HF transformers ----------------------------------------------------------------------------------------

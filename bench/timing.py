@@ -43,3 +43,13 @@ def ceilings(device: torch.device | str = "cuda") -> tuple[float, float]:
     dtype = torch.bfloat16 if gpu else torch.float32
     a, b = torch.randn(k, k, device=device, dtype=dtype), torch.randn(k, k, device=device, dtype=dtype)
     return bw, 2 * k**3 / cuda_time(lambda: a @ b)
+
+
+def kernel_rows(prof: Any, steps: int, width: int = 70) -> list[tuple[str, float, int]]:
+    """A torch profiler's CUDA kernels, slowest first: (name cut to `width`, us per step, launches per step)."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0 and e.count:
+            rows.append((e.key[:width], t / steps, e.count // steps))
+    return sorted(rows, key=lambda r: -r[1])

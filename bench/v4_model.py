@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.timing import ceilings  # noqa: E402
+from bench.timing import ceilings, kernel_rows  # noqa: E402
 from bench.v4_layer import Costs  # noqa: E402
 from shared.engine.api import RequestError  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
@@ -285,12 +285,7 @@ def kernel_breakdown(engine: Engine, batch: int, ctx: int, top: int = 25) -> tup
             engine.abort(rid)
         while engine.has_work():
             engine.step()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0 and e.count:
-            rows.append((e.key[:70], t / steps, e.count // steps))
-    rows.sort(key=lambda r: -r[1])
+    rows = kernel_rows(prof, steps)
     return rows[:top], sum(r[1] for r in rows)
 
 

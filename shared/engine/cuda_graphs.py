@@ -14,6 +14,8 @@ tokens, up to W pages), so short contexts do not launch the programs of the long
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -118,14 +120,22 @@ class DecodeGraphs:
         # on it, so they must not write KV: slots -1 turns every write off during both.
         saved = self.inputs.clone()
         self.inputs[2 * B : 3 * B] = -1
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(B, C)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(B, C)
+        graph, logits = capture(lambda: self._forward(B, C), self.pool)
         self.pool = graph.pool()
         self.inputs.copy_(saved)
         return graph, logits
+
+
+def capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """forward() run once on a side stream (the warm-up: kernels compile and tune outside the capture), then
+    captured into a graph sharing `pool` (one memory pool for every graph of a runner: they never run at once).
+    Returns the graph and its output tensor (rewritten at each replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from shared.engine.cuda_graphs import PinnedStaging
+from shared.engine.cuda_graphs import PinnedStaging, capture
 from shared.engine.models.deepseek_v4.cache import V4Cache
 from shared.engine.models.deepseek_v4.decode import DecodeBatch
 
@@ -133,14 +133,7 @@ class V4DecodeGraphs:
         saved = self.inputs[: n // 2].clone()
         self.inputs[: n // 2] = self.kv.scratch_block
         self._pad(self.inputs, 0, B)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(B, C)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(B, C)
+        graph, logits = capture(lambda: self._forward(B, C), self.pool)
         self.pool = graph.pool()
         self.inputs[: n // 2].copy_(saved)
         return graph, logits
