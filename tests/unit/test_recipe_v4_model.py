@@ -303,6 +303,9 @@ class FakeBus:
     async def subscribe(self, *args: Any, **kwargs: Any) -> _Sub:
         return _Sub()
 
+    def on_lost(self, listener: Any) -> None:  # the bus's outage listeners: this one is never lost
+        return None
+
     async def serve(self, *args: Any, **kwargs: Any) -> _Sub:
         return _Sub()
 
