@@ -316,6 +316,8 @@ class Engine:
         if any(len(b) not in (0, self.block_bytes) for b in req.prefix_blocks):
             raise ValueError(f"prefix blocks must be {self.block_bytes} bytes each (or b'' for one held here)")
         sp = req.sampling
+        if any(not 0 <= t < self.config.vocab_size for t in sp.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {self.config.vocab_size})")
         stop = req.stop_token_ids
         if stop is None:
             stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else self.config.eos_ids)]
@@ -381,12 +383,18 @@ def sampling_spec(sp: SamplingParams) -> SamplingSpec:
         (0 < sp.repetition_penalty < math.inf, f"repetition_penalty must be > 0, got {sp.repetition_penalty}"),
         (0 <= sp.min_tokens <= sp.max_tokens,
          f"min_tokens must be in [0, max_tokens = {sp.max_tokens}], got {sp.min_tokens}"),
+        (-2 <= sp.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {sp.presence_penalty}"),
+        (-2 <= sp.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {sp.frequency_penalty}"),
+        (all(-100 <= b <= 100 for b in sp.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
     )
     for ok, message in checks:  # (NaN fails every comparison, so it is refused too)
         if not ok:
             raise RequestError(message)
     seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-    return SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed, sp.min_p, sp.repetition_penalty, sp.min_tokens)
+    # a zero bias changes nothing: leaving it out keeps a request that sends only zeros off the processors
+    bias = tuple(sorted((int(t), float(b)) for t, b in sp.logit_bias.items() if b != 0))
+    return SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed, sp.min_p, sp.repetition_penalty, sp.min_tokens,
+                        sp.presence_penalty, sp.frequency_penalty, bias)
 
 
 def run_to_completion(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[int]]:

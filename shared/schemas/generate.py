@@ -14,6 +14,10 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's; 0 = off
     repetition_penalty: float = 1.0  # vLLM's / HF's: logits of tokens seen in prompt or output /(>0) or x(<0); 1 = off
     min_tokens: int = 0  # stop ids (EOS included) are masked until this many tokens were generated
+    # OpenAI's: logit - frequency_penalty x count - presence_penalty x (count > 0), over the output tokens only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     seed: int | None = None  # None = nondeterministic
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # the model's EOS ids do not end the sequence (stop_token_ids still do)
