@@ -28,6 +28,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id: hashable, as a frozen spec is
+    logprobs: int = -1  # -1 = off; n >= 0: the sampled token's raw logprob and the n most likely ids'
 
     @property
     def counts_output(self) -> bool:
