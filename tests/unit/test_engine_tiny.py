@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -373,7 +374,7 @@ def test_overlapped_steps_match_synchronous_with_processors(loaded: LoadedModel)
                 EngineRequest("h", PROMPTS[2], penalised_sampling(0.9), 16),
                 EngineRequest("b", PROMPTS[1], SamplingParams(temperature=0.7, seed=4, min_p=0.1,
                                                               ignore_eos=True), 16),
-                EngineRequest("c", PROMPTS[0], counted_sampling(0.8), 16)]
+                EngineRequest("c", PROMPTS[0], replace(counted_sampling(0.8), logprobs=2), 16)]
         return run_to_completion(engine, reqs)
 
     sync = run(False)
