@@ -48,7 +48,7 @@ class DecodeService(EngineWorker):
         # that dies in between would leave the stream a gap at that position forever (the recipe drops the copy).
         await self.publish_tokens(TokenEvent(req.request_id, req.output_offset, [job.first_token],
                                              prompt_tokens=len(prompt), cached_tokens=job.cached_tokens,
-                                             migration=req.migration), env)
+                                             migration=req.migration, logprobs=job.first_logprobs), env)
         blobs, snap = await self._prompt_kv(job)
         prefix_tokens, state = len(blobs) * layout.block_tokens, b""
         if len(blobs) == len(job.block_hashes):
@@ -93,7 +93,7 @@ class DecodeService(EngineWorker):
                 tokens += out.token_ids
                 await self.publish_tokens(
                     TokenEvent(req.request_id, index, list(out.token_ids), finish_reason=out.finish_reason,
-                               migration=req.migration), env
+                               migration=req.migration, logprobs=list(out.logprobs or [])), env
                 )
                 index += len(out.token_ids)
             if finish_reason is not None:  # the next turn starts with this one: keep its KV findable

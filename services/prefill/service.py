@@ -21,7 +21,7 @@ from shared.config import ServiceConfig
 from shared.worker.kv_peer import Handovers
 from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MiB
-from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent
+from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent, TokenLogprob
 from shared.schemas.kv_peer import KvPeerDone, KvPeerPull
 from shared.worker import short_term
 from shared.worker.config import WorkerConfig
@@ -84,6 +84,7 @@ class PrefillService(EngineWorker):
                 prompt_tokens=len(prompt),
                 cached_tokens=first.num_cached_tokens,
                 migration=req.migration,
+                logprobs=list(first.logprobs or []),
             )
             if finished or self.cancelled(req.request_id):
                 if finished:
@@ -98,7 +99,7 @@ class PrefillService(EngineWorker):
                 # the snapshot's key to be (content-addressed: decode's fallback finds it once stored).
                 self.handovers.open(req.request_id, hashes)
                 await self._hand_over(req, token, hashes, self._snapshot_key(prompt, ns, hashes),
-                                      first.num_cached_tokens, self.handovers.lease_s)
+                                      first.num_cached_tokens, self.handovers.lease_s, event.logprobs)
                 await self.publish_tokens(event, env)
                 exported = await self._export(req.request_id, len(prompt))
         except BaseException:
@@ -111,7 +112,7 @@ class PrefillService(EngineWorker):
         if peer:  # from the exported bytes: the engine's blocks are free for the next prompt already
             await self._store(req.request_id, prompt, ns, hashes, prefix_tokens // block, exported)
         elif not self.cancelled(req.request_id):  # cancelled during the store: nobody waits for a decode
-            await self._hand_over(req, token, hashes, key, first.num_cached_tokens, 0.0)
+            await self._hand_over(req, token, hashes, key, first.num_cached_tokens, 0.0, event.logprobs)
 
     async def _store(self, request_id: str, prompt: list[int], ns: bytes, hashes: list[bytes], stored: int,
                      exported: ExportedKv | None = None) -> bytes:
@@ -123,7 +124,7 @@ class PrefillService(EngineWorker):
         return key
 
     async def _hand_over(self, req: GenerateRequest, token: int, hashes: list[bytes], key: bytes, cached: int,
-                         lease_s: float) -> None:
+                         lease_s: float, logprobs: list[TokenLogprob]) -> None:
         assert self.bus is not None
         handoff = DecodeJob(
             request=req,
@@ -133,6 +134,7 @@ class PrefillService(EngineWorker):
             cached_tokens=cached,
             prefill_worker=self.config.instance,
             peer_lease_s=lease_s,
+            first_logprobs=logprobs,
         )
         # each migration hands over anew: the same id would fall in the dedup window of the one before
         suffix = f":m{req.migration}" if req.migration else ""

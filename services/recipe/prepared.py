@@ -52,6 +52,10 @@ class InferenceSpec:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    # OpenAI's sampling fields the reference passes on to its backend (convert/fields.py reads them)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import orjson
 from services.recipe.admission import AdmissionLimits, Ledger, Refusal
 from services.recipe.config import RecipeConfig
 from services.recipe.convert import APIS, ConvertOptions, convert
-from services.recipe.convert.fields import check_min_tokens
+from services.recipe.convert.fields import check_logit_bias, check_min_tokens
 from services.recipe.convert.limits import check_prompt, check_token_ids, resolve_max_tokens
 from services.recipe.emit.processor import OutputProcessor
 from services.recipe.errors import ApiError, ConversionError, api_error, error_for, openai_error
@@ -230,6 +230,7 @@ class RecipeService:
         check_prompt(prompt_ids)
         max_tokens = resolve_max_tokens(prepared, len(prompt_ids), model.context_length)
         check_min_tokens(prepared, max_tokens)
+        check_logit_bias(prepared, model.vocab_size)
         return prepared, model, prompt_ids, max_tokens
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensReply:
@@ -428,6 +429,9 @@ def sampling_params(inference: InferenceSpec, max_tokens: int, seed: int, eos_id
         min_p=inference.min_p,
         repetition_penalty=inference.repetition_penalty,
         min_tokens=inference.min_tokens,
+        presence_penalty=inference.presence_penalty,
+        frequency_penalty=inference.frequency_penalty,
+        logit_bias=dict(inference.logit_bias),
         seed=seed,
         stop_token_ids=[] if inference.ignore_eos else sorted(eos_ids),
         ignore_eos=inference.ignore_eos,

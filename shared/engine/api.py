@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.schemas.generate import SamplingParams
+from shared.schemas.generate import SamplingParams, TokenLogprob
 
 
 class RequestError(ValueError):
@@ -39,6 +39,7 @@ class StepOutput:
     token_ids: list[int]  # newly generated this step (usually 1; 0 while a prompt is still being chunk-prefilled)
     finish_reason: str | None  # "stop" (eos/stop token) | "length" | None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from prefix_blocks or the local prefix cache
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,11 @@ from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.processors import LogitsProcessors
 from shared.engine.protocols import Cache, GraphsDecode, HasOwnCache, drafter
-from shared.engine.sampler import sample, sample_on_device
+from shared.engine.sampler import sample, sample_on_device, token_logprobs
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
 from shared.models import ModelFiles, resolve
-from shared.schemas.generate import SamplingParams
+from shared.schemas.generate import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = ["Engine", "EngineRequest", "EngineStats", "RequestError", "StepOutput", "run_to_completion"]
 
@@ -56,12 +56,32 @@ def graph_buckets(max_running: int) -> tuple[int, ...]:
 
 
 @dataclass
+class _Logprobs:
+    """A step's logprobs for the rows that asked (row indices into the step's sampled rows), host tensors that
+    the step's event guards like its tokens: the sampled token's logprob, the top ids and their logprobs."""
+
+    rows: list[int]
+    counts: list[int]  # how many top ids each of those rows asked for (the tensors hold the largest count)
+    chosen: torch.Tensor
+    ids: torch.Tensor
+    top: torch.Tensor
+
+    def per_row(self, num_rows: int) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * num_rows
+        chosen, ids, top = self.chosen.tolist(), self.ids.tolist(), self.top.tolist()
+        for j, (row, k) in enumerate(zip(self.rows, self.counts)):
+            out[row] = TokenLogprob(chosen[j], ids[j][:k], top[j][:k])
+        return out
+
+
+@dataclass
 class _Launched:
     """A step on its way: its plan and its sampled tokens (a host list, or a pinned buffer an event guards)."""
 
     plan: StepPlan
     tokens: list[int] | torch.Tensor
     done: torch.cuda.Event | None = None
+    logprobs: _Logprobs | None = None
 
     def result(self) -> list[int]:
         if self.done is None:
@@ -182,34 +202,52 @@ class Engine:
         rows = [(c, r) for c in plan.chunks if c.sample for r in range(c.num_tokens if c.drafts else 1)]
         specs = [c.seq.sampling for c, _ in rows]
         positions = [c.seq.output_position + r for c, r in rows]
+        raw = logits  # what logprobs are reported from (the processors below return a new tensor)
         logits = self.processors.apply(logits, rows, positions)  # before commit: it reads the known tokens
         self.scheduler.commit(plan)  # after reading output positions: it advances them
         if self.speculative:  # the drafts are verified at once: the next step's chunks depend on them
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
                 sample_on_device(logits, specs, positions).tolist())
-            return _Launched(plan, spec_decode.verify(plan, sampled, self.processors, self.acceptance))
+            logprobs = self._logprobs(raw, specs, torch.tensor(sampled, device=self.device))
+            return _Launched(plan, spec_decode.verify(plan, sampled, self.processors, self.acceptance),
+                             logprobs=logprobs)
         if self.device.type == "cpu":
             tokens = sample(logits, specs, positions)
             self.processors.record(tokens)
             if self.overlap:
                 self.runner.feed(torch.tensor(tokens, dtype=torch.long))
-            return _Launched(plan, tokens)
+            return _Launched(plan, tokens, logprobs=self._logprobs(raw, specs, torch.tensor(tokens)))
         # on the device, batched; the one host round trip is reading the tokens back, one step later
         dev_tokens = sample_on_device(logits, specs, positions)  # (N,) int64
         self.processors.record(dev_tokens)
         if self.overlap:
             self.runner.feed(dev_tokens)
+        logprobs = self._logprobs(raw, specs, dev_tokens)  # copies queued before the event: it guards them too
         self._steps += 1
         host = self._readback[self._steps % 2][: len(rows)]
         host.copy_(dev_tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _Launched(plan, host, event)
+        return _Launched(plan, host, event, logprobs)
+
+    def _logprobs(self, raw: torch.Tensor, specs: list[SamplingSpec], tokens: torch.Tensor) -> _Logprobs | None:
+        """The step's logprobs for the rows that asked, copied towards the host without waiting (None: none did)."""
+        rows = [i for i, s in enumerate(specs) if s.logprobs >= 0]
+        if not rows:
+            return None
+        counts = [specs[i].logprobs for i in rows]
+        parts = token_logprobs(raw, rows, tokens.to(raw.device), max(counts))
+        if self.device.type == "cuda":  # into pinned memory, so the copies do not wait for the device
+            parts = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
+                          for p in parts)
+        return _Logprobs(rows, counts, *parts)
 
     def _resolve(self, done: _Launched) -> list[StepOutput]:
         """A launched step's tokens into outputs (waiting for them on a GPU); the next drafts; finished
         requests' state dropped."""
         outputs = self.scheduler.resolve(done.plan, done.result())
+        if done.logprobs is not None:
+            self._attach_logprobs(done, outputs)
         if self.drafter is not None:
             assert self.runner.hidden is not None
             spec_decode.draft(self.drafter, self.kv, done.plan, self.runner.hidden, self.scheduler, self.speculative)
@@ -219,6 +257,22 @@ class Engine:
                 if out.request_id not in self.scheduler.held:
                     self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
         return outputs
+
+    def _attach_logprobs(self, done: _Launched, outputs: list[StepOutput]) -> None:
+        """Each output's tokens get their rows' logprobs: a chunk's rows are its sampled positions in order, so a
+        verified speculative chunk's tokens (accepted drafts, then the model's own) are its first rows."""
+        assert done.logprobs is not None
+        chunks = [c for c in done.plan.chunks if c.sample]
+        sizes = [c.num_tokens if c.drafts else 1 for c in chunks]
+        per_row = done.logprobs.per_row(sum(sizes))
+        first, at = {}, 0
+        for c, n in zip(chunks, sizes):
+            first[c.seq.request_id] = per_row[at : at + n]
+            at += n
+        for out in outputs:
+            mine = first.get(out.request_id)
+            if out.token_ids and mine and mine[0] is not None:
+                out.logprobs = [lp for lp in mine[: len(out.token_ids)] if lp is not None]
 
     def _pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -316,6 +370,8 @@ class Engine:
         if any(len(b) not in (0, self.block_bytes) for b in req.prefix_blocks):
             raise ValueError(f"prefix blocks must be {self.block_bytes} bytes each (or b'' for one held here)")
         sp = req.sampling
+        if any(not 0 <= t < self.config.vocab_size for t in sp.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {self.config.vocab_size})")
         stop = req.stop_token_ids
         if stop is None:
             stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else self.config.eos_ids)]
@@ -381,12 +437,20 @@ def sampling_spec(sp: SamplingParams) -> SamplingSpec:
         (0 < sp.repetition_penalty < math.inf, f"repetition_penalty must be > 0, got {sp.repetition_penalty}"),
         (0 <= sp.min_tokens <= sp.max_tokens,
          f"min_tokens must be in [0, max_tokens = {sp.max_tokens}], got {sp.min_tokens}"),
+        (-2 <= sp.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {sp.presence_penalty}"),
+        (-2 <= sp.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {sp.frequency_penalty}"),
+        (all(-100 <= b <= 100 for b in sp.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+        (sp.logprobs is None or 0 <= sp.logprobs <= MAX_LOGPROBS,
+         f"logprobs must be in [0, {MAX_LOGPROBS}], got {sp.logprobs}"),
     )
     for ok, message in checks:  # (NaN fails every comparison, so it is refused too)
         if not ok:
             raise RequestError(message)
     seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-    return SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed, sp.min_p, sp.repetition_penalty, sp.min_tokens)
+    # a zero bias changes nothing: leaving it out keeps a request that sends only zeros off the processors
+    bias = tuple(sorted((int(t), float(b)) for t, b in sp.logit_bias.items() if b != 0))
+    return SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed, sp.min_p, sp.repetition_penalty, sp.min_tokens,
+                        sp.presence_penalty, sp.frequency_penalty, bias, -1 if sp.logprobs is None else sp.logprobs)
 
 
 def run_to_completion(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[int]]:

@@ -115,3 +115,20 @@ def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions:
         probs = torch.softmax(x, dim=-1)
     drawn = (probs / hashed_exponential(keys, V)).argmax(dim=-1)
     return tokens.index_copy(0, index, drawn)
+
+
+# --- log probabilities ----------------------------------------------------------------------------------------
+
+
+def token_logprobs(raw: torch.Tensor, rows: list[int], tokens: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw (N, V) logits as the model made them, tokens (N,) the sampled ones -> for `rows`: the sampled token's
+    logprob (n,), and the k most likely ids (n, k) with their logprobs (n, k), on raw's device.
+
+    The model's own distribution (vLLM's default logprobs mode, "raw_logprobs"): before logit_bias, penalties,
+    temperature and the top-k / top-p / min-p filters, so a logprob does not depend on how it was sampled."""
+    index = torch.tensor(rows, dtype=torch.long).to(raw.device, non_blocking=True)
+    lsm = torch.log_softmax(raw.index_select(0, index).float(), dim=-1)  # (n, V)
+    chosen = lsm.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
+    top, ids = lsm.topk(k, dim=-1) if k > 0 else (lsm[:, :0], lsm[:, :0].long())
+    return chosen, ids, top

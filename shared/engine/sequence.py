@@ -25,11 +25,21 @@ class SamplingSpec:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # output positions below this one cannot sample a stop id
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id: hashable, as a frozen spec is
+    logprobs: int = -1  # -1 = off; n >= 0: the sampled token's raw logprob and the n most likely ids'
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether a penalty reads how often each token occurs in the output (processors.py keeps the counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def processed(self) -> bool:
         """Whether the logits processors before the sampler (processors.py) have anything to do for it."""
-        return self.repetition_penalty != 1.0 or self.min_tokens > 0
+        return (self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.counts_output
+                or bool(self.logit_bias))
 
 
 @dataclass(eq=False)

@@ -14,9 +14,29 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's; 0 = off
     repetition_penalty: float = 1.0  # vLLM's / HF's: logits of tokens seen in prompt or output /(>0) or x(<0); 1 = off
     min_tokens: int = 0  # stop ids (EOS included) are masked until this many tokens were generated
+    # OpenAI's: logit - frequency_penalty x count - presence_penalty x (count > 0), over the output tokens only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    # None = off; n: each sampled token's logprob and the n most likely ids' (vLLM's default "raw_logprobs": the
+    # model's own distribution, before bias, penalties and temperature), n in [0, MAX_LOGPROBS]
+    logprobs: int | None = None
     seed: int | None = None  # None = nondeterministic
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # the model's EOS ids do not end the sequence (stop_token_ids still do)
+
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability and the `logprobs` most likely ids' at its position (most likely
+    first), under the model's raw distribution."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,7 @@ class DecodeJob:
     prefill_worker: str
     worker_id: str = ""  # filled by the decode balancer
     peer_lease_s: float = 0.0  # > 0: pull the prompt's KV from prefill_worker first (held there this long)
+    first_logprobs: list[TokenLogprob] = field(default_factory=list)  # first_token's, when the request asked
 
 
 @dataclass(frozen=True)
@@ -88,6 +109,7 @@ class TokenEvent:
     error: str = ""
     error_status: int = 0
     migration: int = 0  # the request's migration that sent it (GenerateRequest.migration)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry when the request asked
 
 
 # The balancer's TokenEvent when the worker holding a request is gone with its state: the output streamed so far

@@ -185,3 +185,55 @@ def test_processors_on_the_device_paths() -> None:
     rows = [(Chunk(s, 3, 2, True, (40,)), r) for s in seqs[:1] for r in (0, 1)] + [(Chunk(seqs[1], 3, 1, True), 0)]
     outs = [LogitsProcessors(49152, torch.device(d)).apply(logits.to(d), rows, [1, 2, 0]).cpu() for d in ("cpu", "cuda")]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_penalties_bias_and_logprobs_on_the_device_paths() -> None:
+    """presence / frequency penalties, logit_bias and logprobs through the overlapped steps and CUDA graphs
+    (fp32): the same tokens as synchronous eager steps, logprobs as close as one forward to another, and no step
+    waits for the device (the output counts grow on it, the logprobs come back with the tokens)."""
+    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=7)
+    ps = prompts(12, 7, lo=5, hi=120)
+    sync = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32, cuda_graphs=False)
+    sync.overlap = False
+
+    def requests() -> list[EngineRequest]:
+        kinds = [SamplingParams(temperature=0, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0),
+                 SamplingParams(temperature=0.8, seed=9, ignore_eos=True, frequency_penalty=2.0, logprobs=3),
+                 SamplingParams(temperature=0, ignore_eos=True, logit_bias={300: 100.0}, logprobs=0),
+                 GREEDY]
+        return [EngineRequest(f"r{i}", p, kinds[i % 4], 16) for i, p in enumerate(ps)]
+
+    def run(engine: Engine) -> tuple[dict[str, list[int]], dict[str, list]]:
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        for r in requests():
+            engine.add(r)
+        while engine.has_work():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.token_ids)
+                logprobs.setdefault(o.request_id, []).extend(o.logprobs or [])
+        return tokens, logprobs
+
+    expected, want_lp = run(sync)
+    assert all(v == [300] * 16 for k, v in expected.items() if int(k[1:]) % 4 == 2)  # +100 forces it
+    assert all(len(want_lp[k]) == 16 for k in expected if int(k[1:]) % 4 in (1, 2))
+    assert not any(want_lp[k] for k in expected if int(k[1:]) % 4 in (0, 3))
+    fast = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32)
+    assert fast.overlap
+    got, got_lp = run(fast)
+    assert got == expected
+    for k, want in want_lp.items():
+        assert [lp.top_ids for lp in got_lp[k]] == [lp.top_ids for lp in want]
+        assert [lp.logprob for lp in got_lp[k]] == pytest.approx([lp.logprob for lp in want], abs=1e-3)
+    for r in requests():
+        fast.add(r)
+    for _ in range(4):
+        fast.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            fast.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while fast.has_work():
+        fast.step()

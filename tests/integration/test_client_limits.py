@@ -3,7 +3,8 @@
 LangChain's ChatOpenAI sends `max_completion_tokens` (also for `max_tokens=`), LiteLLM, guidellm and `vllm bench
 serve` send their own bodies (copied here from their request builders: guidellm's openai request handlers, vLLM's
 benchmarks/lib/endpoint_request_func.py), benchmarks with `ignore_eos: true`. With ignore_eos the answer must
-be exactly the limit long; without it, at most the limit. Fields we do not honour get a 400 naming them.
+be exactly the limit long; without it, at most the limit. Fields we do not honour get a 400 naming them;
+logit_bias and the presence / frequency penalties change the answer.
 Past the recipe's bound on requests in flight (`--max-queued-requests`, small here) every client gets a 429 it
 knows, with Retry-After, while the requests admitted finish.
 """
@@ -141,6 +142,31 @@ def test_fields_not_honoured_are_named_in_the_400(mesh: Mesh) -> None:
         logprobs=False, presence_penalty=0, n=1, temperature=0,
     )
     assert 0 < reply.usage.completion_tokens <= 3
+
+
+def test_logit_bias_and_penalties_change_the_answer(mesh: Mesh) -> None:
+    """Through prefill -> decode: +100 forces a token at every position; with three tokens forced, greedy repeats
+    the likeliest one, and presence + frequency penalties (counted over the output, prefill's token included)
+    push it out for the others."""
+    oai = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="k", max_retries=0, timeout=120)
+    hi = [{"role": "user", "content": HI}]
+    common: dict[str, Any] = {"model": MODEL, "messages": hi, "extra_body": {"ignore_eos": True}}
+    forced = oai.chat.completions.create(max_tokens=4, temperature=1.0, seed=7, logit_bias={"5000": 100}, **common)
+    assert forced.choices[0].message.content.split() == ["properly"] * 4  # token 5000 is " properly"
+    three = {"5000": 100, "3000": 100, "2000": 100}  # " properly", " Pre", " temper"
+    plain = oai.chat.completions.create(max_tokens=12, temperature=0, logit_bias=three, **common)
+    words = plain.choices[0].message.content.split()
+    assert len(set(words)) == 1 and len(words) == 12
+    penalised = oai.chat.completions.create(max_tokens=12, temperature=0, logit_bias=three, presence_penalty=2,
+                                            frequency_penalty=2, **common)
+    words = penalised.choices[0].message.content.split()
+    assert set(words) == {"properly", "Pre", "temper"} and len(words) == 12
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(max_tokens=2, logit_bias={"5000": 101}, **common)
+    assert err.value.param == "logit_bias" and "[-100, 100]" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(max_tokens=2, logit_bias={"49152": 1}, **common)  # SmolLM2 has 49152 tokens
+    assert err.value.param == "logit_bias" and "out of vocabulary" in err.value.message
 
 
 async def _overload(base_url: str) -> None:

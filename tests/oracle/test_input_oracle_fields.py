@@ -7,8 +7,9 @@ against the oracle (services/recipe/convert/fields.py has the rules).
    ignore_eos reach the engine; the reference reads none of them.
 3. A `developer` message is a system one (a user one for V4, as the reference does in Responses); the
    reference's Chat Completions refuses the role.
-4. What we cannot honour is refused by name instead of passed on: logprobs, presence/frequency penalties,
-   a regex response_format, Responses' top_logprobs, and image or file input (the reference shows V4 the
+4. presence/frequency penalties and logit_bias reach the engine (the reference passes them to its backend);
+   a malformed logit_bias, which the reference does not read, is refused by name.
+5. What we cannot honour is refused by name instead of passed on: logprobs, a regex response_format, Responses' top_logprobs, and image or file input (the reference shows V4 the
    text "[Unsupported Image]"). The neutral values (false, 0) still pass, exactly as the reference converts.
 """
 
@@ -68,6 +69,23 @@ def test_sampling_extensions_reach_the_engine_where_the_reference_drops_them() -
     assert convert("messages", messages).inference.top_k == 7
 
 
+def test_penalties_and_logit_bias_reach_the_engine() -> None:
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {"5": -100, "9": 3}}
+    body = chat(**fields)
+    assert compare_request("chat", body) is None  # the rest converted as the reference converts it
+    io = oracle("chat", body).inference_options
+    inference = convert("chat", body).inference
+    assert (inference.presence_penalty, inference.frequency_penalty, inference.logit_bias) == (0.5, -1.0,
+                                                                                               {5: -100.0, 9: 3.0})
+    assert not any(hasattr(io, k) for k in ("presence_penalty", "frequency_penalty", "logit_bias"))
+    bad = chat(logit_bias={"x": 1})
+    oracle("chat", bad)  # the reference does not read it
+    with pytest.raises(FieldRefusal) as err:
+        convert("chat", bad)
+    assert err.value.field == "logit_bias"
+    assert compare_request("chat", bad) is None  # a documented refusal: without it both sides agree
+
+
 def test_developer_messages_are_system_instructions() -> None:
     messages = [{"role": "developer", "content": "be brief"}, *HI]
     with pytest.raises(ValueError, match="unknown variant `developer`"):
@@ -90,8 +108,6 @@ def test_developer_messages_are_system_instructions() -> None:
 @pytest.mark.parametrize("api, body, field", [
     ("chat", chat(logprobs=True), "logprobs"),
     ("chat", chat(logprobs=True, top_logprobs=3), "logprobs"),
-    ("chat", chat(presence_penalty=0.5), "presence_penalty"),
-    ("chat", chat(frequency_penalty=-1), "frequency_penalty"),
     ("chat", chat(response_format={"type": "regex", "regex": "[a-z]+"}), "response_format"),
     ("responses", {"model": PRO, "input": "hi", "top_logprobs": 2}, "top_logprobs"),
 ])

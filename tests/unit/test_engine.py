@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -243,3 +244,44 @@ def last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     logits = engine.runner.run(plan)
     engine.abort("logits")
     return logits[0]
+
+
+def _model_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The engine's own forward over `ids`: the logits at the last position."""
+    engine.add(EngineRequest("ref", ids, GREEDY, 1))
+    logits = engine.runner.run(engine.scheduler.schedule())[0]
+    engine.abort("ref")
+    return logits.cpu()
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.0, logprobs=5),
+    # raw logprobs (vLLM's default): the bias, the penalties and the temperature change the draw, not the numbers
+    SamplingParams(temperature=0.7, seed=3, top_k=20, logprobs=3, presence_penalty=1.0, logit_bias={28: 2.0}),
+    SamplingParams(temperature=1.0, seed=4, logprobs=0),
+], ids=["greedy", "processed", "none-top"])
+def test_logprobs_are_the_models_own_and_rank_correctly(engine: Engine, tok: Tokenizer,
+                                                        sampling: SamplingParams) -> None:
+    prompt, n = tok.encode(PARIS_PROMPT), 6
+    engine.add(EngineRequest("lp", prompt, sampling, n))
+    outs: list[StepOutput] = []
+    while engine.has_work():
+        outs += engine.step()
+    tokens = [t for o in outs for t in o.token_ids]
+    logprobs = [lp for o in outs if o.token_ids for lp in o.logprobs or []]
+    assert len(tokens) == len(logprobs) >= 1
+    for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+        ref = torch.log_softmax(_model_logits(engine, prompt + tokens[:i]).double(), dim=-1)
+        assert lp.logprob == pytest.approx(float(ref[token]), abs=1e-4)
+        assert len(lp.top_ids) == len(lp.top_logprobs) == sampling.logprobs
+        assert lp.top_ids == ref.topk(sampling.logprobs).indices.tolist()  # the most likely first
+        assert lp.top_logprobs == pytest.approx(ref[lp.top_ids].tolist(), abs=1e-4)
+        assert all(a >= b for a, b in zip(lp.top_logprobs, lp.top_logprobs[1:]))
+        assert sum(math.exp(x) for x in lp.top_logprobs) <= 1 + 1e-6
+        if sampling.temperature == 0:
+            assert lp.top_ids[0] == token and lp.logprob == lp.top_logprobs[0]
+    engine.add(EngineRequest("no", prompt, GREEDY, 2))  # a request that did not ask gets none
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert all(o.logprobs is None for o in outs)

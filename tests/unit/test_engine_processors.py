@@ -164,6 +164,71 @@ def test_rows_without_processors_cost_nothing_and_slots_are_reused_clean() -> No
     assert torch.equal(out[0], _penalised(logits[0], {9}, 3.0))
 
 
+def _openai_penalised(row: torch.Tensor, output: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's definition: mu[j] - c[j] x frequency - (c[j] > 0) x presence, c counted over the output only."""
+    out = row.clone()
+    for t in set(output):
+        out[t] = row[t] - output.count(t) * frequency - presence
+    return out
+
+
+def test_presence_and_frequency_penalties_count_the_output_only() -> None:
+    proc = LogitsProcessors(V, CPU)
+    spec = SamplingSpec(0.0, 0, 1.0, 0, presence_penalty=0.5, frequency_penalty=0.25)
+    # a continuation: prompt [1, 2, 3] then its own output [5, 5, 9] (output_offset 3), 3 also in the prompt
+    a = Sequence("a", [1, 2, 3, 5, 5, 9], spec, frozenset(), max_new_tokens=16, output_offset=3, hold_kv=False)
+    b = _seq("b", [5, 9], SamplingSpec(0.0, 0, 1.0, 0, presence_penalty=-1.0))  # negative: favours repeats
+    logits = _logits(2, seed=6)
+    out = proc.apply(logits, [(_decode(a), 0), (_decode(b), 0)], [3, 0])
+    assert torch.allclose(out[0], _openai_penalised(logits[0], [5, 5, 9], 0.5, 0.25), atol=0, rtol=0)
+    assert torch.equal(out[1], logits[1])  # nothing generated yet: the prompt's 5 and 9 are not counted
+    proc.record([9, 5])
+    logits = _logits(2, seed=7)
+    out = proc.apply(logits, [(_decode(a), 0), (_decode(b), 0)], [4, 1])
+    assert torch.equal(out[0], _openai_penalised(logits[0], [5, 5, 9, 9], 0.5, 0.25))
+    assert torch.equal(out[1], _openai_penalised(logits[1], [5], -1.0, 0.0))
+
+
+def test_output_counts_see_the_drafts_before_a_speculative_row() -> None:
+    proc = LogitsProcessors(V, CPU)
+    a = _seq("a", [3, 4], SamplingSpec(0.0, 0, 1.0, 0, frequency_penalty=1.5))
+    chunk = _decode(a, drafts=(20, 20, 22))
+    logits = _logits(4, seed=8)
+    out = proc.apply(logits, [(chunk, r) for r in range(4)], [0, 1, 2, 3])
+    for r in range(4):
+        assert torch.equal(out[r], _openai_penalised(logits[r], list(chunk.drafts[:r]), 0.0, 1.5))
+    proc.accept(a, [20, 30])
+    logits = _logits(1, seed=9)
+    out = proc.apply(logits, [(_decode(a), 0)], [2])
+    assert torch.equal(out[0], _openai_penalised(logits[0], [20, 30], 0.0, 1.5))
+
+
+def test_logit_bias_adds_to_the_biased_ids_and_bans_or_forces_them() -> None:
+    proc = LogitsProcessors(V, CPU)
+    a = _seq("a", [1], SamplingSpec(0.0, 0, 1.0, 0, logit_bias=((3, 2.5), (7, -1.0))))
+    b = _seq("b", [1], SamplingSpec(0.0, 0, 1.0, 0))
+    logits = _logits(2, seed=10)
+    out = proc.apply(logits, [(_decode(a), 0), (_decode(b), 0)], [0, 0])
+    want = logits[0].clone()
+    want[3] += 2.5
+    want[7] -= 1.0
+    assert torch.equal(out[0], want) and torch.equal(out[1], logits[1])
+    assert not proc.slots  # a bias needs no token history
+
+    top = int(logits[0].argmax())
+    last = int(logits[0].argmin())
+    for on_device in (False, True):
+        draw = sample_on_device if on_device else sample
+        specs = [SamplingSpec(1.0, 0, 1.0, seed, logit_bias=((top, -100.0),)) for seed in range(200)]
+        specs += [SamplingSpec(1.0, 0, 1.0, seed, logit_bias=((last, 100.0),)) for seed in range(200)]
+        seqs = [_seq(f"s{i}", [1], s) for i, s in enumerate(specs)]
+        x = proc.apply(logits[:1].expand(len(specs), -1), [(_decode(q), 0) for q in seqs], [0] * len(specs))
+        got = draw(x, specs, [0] * len(specs))
+        got = got.tolist() if on_device else got
+        assert top not in got[:200]  # -100: never drawn (its probability underflows to 0)
+        assert set(got[200:]) == {last}  # +100: always drawn, though it was the least likely
+
+
 # --- validation -----------------------------------------------------------------------------------------------
 
 
@@ -172,6 +237,8 @@ def test_rows_without_processors_cost_nothing_and_slots_are_reused_clean() -> No
     {"repetition_penalty": 0.0}, {"repetition_penalty": -1.0}, {"repetition_penalty": math.inf},
     {"repetition_penalty": math.nan}, {"min_tokens": -1}, {"min_tokens": 9, "max_tokens": 8},
     {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -1},
+    {"presence_penalty": 2.5}, {"presence_penalty": math.nan}, {"frequency_penalty": -2.1},
+    {"logit_bias": {3: 100.5}}, {"logit_bias": {3: math.nan}},
 ])
 def test_out_of_range_sampling_is_a_request_error_naming_the_field(bad: dict[str, float]) -> None:
     with pytest.raises(RequestError, match=next(k for k in bad if k != "max_tokens")):
@@ -182,3 +249,6 @@ def test_sampling_fields_reach_the_spec() -> None:
     sp = SamplingParams(temperature=0.5, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.2, min_tokens=8,
                         max_tokens=8, seed=3)
     assert sampling_spec(sp) == SamplingSpec(0.5, 7, 0.9, 3, min_p=0.05, repetition_penalty=1.2, min_tokens=8)
+    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={9: -3, 2: 1.5, 4: 0}, seed=1)
+    assert sampling_spec(sp) == SamplingSpec(1.0, 0, 1.0, 1, presence_penalty=0.5, frequency_penalty=-1.0,
+                                             logit_bias=((2, 1.5), (9, -3.0)))  # sorted; a zero bias is no bias

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from shared import hashing
-from shared.engine.engine import Engine, EngineRequest, run_to_completion
+from shared.engine.engine import Engine, EngineRequest, RequestError, run_to_completion
 from shared.engine.loader import LoadedModel, load
 from shared.models import resolve
 from shared.schemas.generate import SamplingParams
@@ -257,6 +258,40 @@ def test_greedy_repetition_penalty_is_the_reference_and_stops_the_repeats(loaded
     assert len(set(got)) == len(got) and not set(got) & set(prompt)  # this strong a penalty: no repeats at all
 
 
+def test_greedy_presence_frequency_and_logit_bias_are_the_reference(loaded: LoadedModel) -> None:
+    """OpenAI's definition step by step on the model's own logits: the bias added, then each output id's
+    logit lowered by frequency x its count + presence; the prompt's ids are not counted."""
+    prompt, n = PROMPTS[0], 16
+    engine = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    plain = run_to_completion(engine, [EngineRequest("p", prompt, SamplingParams(temperature=0, ignore_eos=True),
+                                                     n)])["p"]
+    bias = {plain[0]: -100.0, 17: 3.0}  # the plain run's first token banned
+    sampling = SamplingParams(temperature=0, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.75,
+                              logit_bias=bias)
+    got = run_to_completion(engine, [EngineRequest("r", prompt, sampling, n)])["r"]
+    want: list[int] = []
+    for _ in range(n):
+        logits = prompt_logits(engine, prompt + want).clone()
+        for t, b in bias.items():
+            logits[t] += b
+        for t in set(want):
+            logits[t] -= 0.75 * want.count(t) + 1.5
+        want.append(int(logits.argmax()))
+    assert got == want and plain[0] not in got and got != plain
+
+
+def test_logit_bias_plus_100_forces_a_token(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    sampling = SamplingParams(temperature=1.0, seed=3, ignore_eos=True, logit_bias={250: 100.0})
+    assert run_to_completion(engine, [EngineRequest("f", PROMPTS[2], sampling, 8)])["f"] == [250] * 8
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_a_request_error(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    with pytest.raises(RequestError, match="logit_bias token ids"):
+        engine.add(EngineRequest("x", PROMPTS[0], SamplingParams(logit_bias={CONFIG["vocab_size"]: 1.0}), 4))
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 def test_min_tokens_holds_the_stop_ids_back_then_lets_them_stop(loaded: LoadedModel, overlap: bool) -> None:
     """Nearly every token is a stop id: the plain run stops at once; with min_tokens the first min_tokens
@@ -277,6 +312,12 @@ def test_min_tokens_holds_the_stop_ids_back_then_lets_them_stop(loaded: LoadedMo
 def penalised_sampling(temperature: float) -> SamplingParams:
     return SamplingParams(temperature=temperature, seed=21, min_p=0.05, top_k=50, repetition_penalty=3.0,
                           min_tokens=6, stop_token_ids=ALL_BUT_FEW)
+
+
+def counted_sampling(temperature: float) -> SamplingParams:
+    """Every processor that reads the output so far, and a bias."""
+    return SamplingParams(temperature=temperature, seed=22, ignore_eos=True, presence_penalty=1.2,
+                          frequency_penalty=0.9, repetition_penalty=1.3, logit_bias={201: 4.0, 5: -100.0})
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
@@ -300,6 +341,29 @@ def test_prefill_to_decode_hand_over_keeps_min_tokens_and_the_penalty(loaded: Lo
     assert not prefill.processors.slots and not decode.processors.slots  # every token set freed
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_output_counts_survive_the_hand_over_and_a_migration(loaded: LoadedModel, temperature: float) -> None:
+    """Prefill samples position 0 with the penalties and the bias, decode goes on from output_offset 1, and a
+    continuation after k streamed tokens (its prompt ends with them, output_offset k) counts them as output:
+    each gives the tokens one engine gives for the whole request."""
+    sampling, prompt, n = counted_sampling(temperature), PROMPTS[1], 14
+    one = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
+                            [EngineRequest("r", prompt, sampling, n)])["r"]
+    assert 5 not in one
+    prefill = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    first = run_to_completion(prefill, [EngineRequest("r", prompt, sampling, 1, hold_kv=True)])["r"]
+    blobs = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
+    prefill.release("r")
+    decode = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    rest = run_to_completion(decode, [EngineRequest("r", prompt + first, sampling, n - 1, output_offset=1,
+                                                    prefix_blocks=blobs, prefix_tokens=len(prompt))])["r"]
+    assert first + rest == one
+    k = 6
+    resumed = run_to_completion(decode, [EngineRequest("m", prompt + one[:k], sampling, n - k, output_offset=k)])
+    assert one[:k] + resumed["m"] == one
+    assert not prefill.processors.slots and not decode.processors.slots
+
+
 def test_overlapped_steps_match_synchronous_with_processors(loaded: LoadedModel) -> None:
     """The overlapped path extends the penalty's token sets on the device, from tokens the host has not seen yet."""
     def run(overlap: bool) -> dict[str, list[int]]:
@@ -309,7 +373,8 @@ def test_overlapped_steps_match_synchronous_with_processors(loaded: LoadedModel)
                                                               repetition_penalty=1.8), 16),
                 EngineRequest("h", PROMPTS[2], penalised_sampling(0.9), 16),
                 EngineRequest("b", PROMPTS[1], SamplingParams(temperature=0.7, seed=4, min_p=0.1,
-                                                              ignore_eos=True), 16)]
+                                                              ignore_eos=True), 16),
+                EngineRequest("c", PROMPTS[0], replace(counted_sampling(0.8), logprobs=2), 16)]
         return run_to_completion(engine, reqs)
 
     sync = run(False)

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from services.recipe.convert import ConvertOptions, convert
-from services.recipe.convert.fields import REFUSED, check_min_tokens
+from services.recipe.convert.fields import REFUSED, check_logit_bias, check_min_tokens
 from services.recipe.emit import OutputProcessor, Ready, Tokens
 from services.recipe.errors import ConversionError, FieldRefusal, api_error
 from services.recipe.parse import TokenTable
@@ -63,6 +63,41 @@ def test_sampling_extensions_reach_the_sampling_params() -> None:
                                     ignore_eos=True)
 
 
+def test_penalties_and_logit_bias_reach_the_sampling_params() -> None:
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "logit_bias": {"42": -100, "7": 2.5}}
+    for prepared in (chat(max_tokens=10, **fields), completions(max_tokens=10, **fields)):
+        sp = sampling_params(prepared.inference, 10, 42, [2])
+        assert (sp.presence_penalty, sp.frequency_penalty, sp.logit_bias) == (0.5, -1.25, {42: -100.0, 7: 2.5})
+    sp = sampling_params(chat().inference, 8, 1, [2])
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.logit_bias) == (0.0, 0.0, {})  # all off
+
+
+@pytest.mark.parametrize("value, shown", [
+    ([1, 2], "expected an object"), ("x", "expected an object"), ({"a": 1}, "key 'a'"), ({"-1": 1}, "key '-1'"),
+    ({"1.5": 1}, "key '1.5'"), ({"2147483648": 1}, "key '2147483648'"), ({"1": 101}, "[-100, 100]"),
+    ({"1": -100.5}, "[-100, 100]"), ({"1": "5"}, "[-100, 100]"), ({"1": True}, "[-100, 100]"),
+    ({str(i): 1 for i in range(1025)}, "at most 1024"),
+])
+def test_a_bad_logit_bias_is_refused_by_name(value: Any, shown: str) -> None:
+    for api, body in (("chat", {"model": SMOL, "messages": [USER]}), ("completions", {"model": SMOL, "prompt": "a"})):
+        err = refused(api, {**body, "logit_bias": value})
+        assert err.field == "logit_bias" and shown in err.message
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused_by_name() -> None:
+    prepared = chat(logit_bias={"49151": 1, "49152": 1})
+    check_logit_bias(chat(logit_bias={"49151": 1}), 49152)
+    with pytest.raises(FieldRefusal, match="49152': token id out of vocabulary") as err:
+        check_logit_bias(prepared, 49152)
+    assert err.value.field == "logit_bias"
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_a_penalty_out_of_range_is_the_reference_error(field: str) -> None:
+    with pytest.raises(ConversionError, match=rf"Invalid {field} value, the valid range of {field} is \[-2, 2\]"):
+        chat(**{field: 2.5})
+
+
 def test_by_default_the_model_stops_on_its_end_of_sentence_ids() -> None:
     sp = sampling_params(chat().inference, 8, 1, {2, 0})
     assert sp.stop_token_ids == [0, 2] and not sp.ignore_eos
@@ -98,12 +133,11 @@ def test_min_tokens_may_not_exceed_max_tokens() -> None:
 
 
 @pytest.mark.parametrize("api, field, value", [
-    ("chat", "logprobs", True), ("chat", "presence_penalty", 0.5), ("chat", "frequency_penalty", -0.5),
-    ("chat", "logit_bias", {"42": 5}), ("chat", "response_format", {"type": "regex", "regex": "a+"}),
+    ("chat", "logprobs", True), ("chat", "response_format", {"type": "regex", "regex": "a+"}),
     ("chat", "stop_token_ids", [7]), ("chat", "use_beam_search", True), ("chat", "functions", [{"name": "f"}]),
     ("chat", "audio", {"voice": "x"}), ("chat", "modalities", ["text", "audio"]), ("chat", "guided_json", {}),
     ("chat", "skip_special_tokens", False), ("chat", "echo", True), ("chat", "prompt_logprobs", 1),
-    ("completions", "logprobs", 0), ("completions", "presence_penalty", 1), ("completions", "logit_bias", {"1": 1}),
+    ("completions", "logprobs", 0),
     ("completions", "guided_regex", "a"), ("completions", "response_format", {"type": "json_object"}),
     ("responses", "top_logprobs", 3), ("responses", "include", ["message.output_text.logprobs"]),
     ("responses", "background", True), ("responses", "prompt", {"id": "p"}),

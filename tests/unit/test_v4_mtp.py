@@ -111,3 +111,39 @@ def test_state_with_mtp_moves_between_engines(checkpoint: Path) -> None:
     plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64), [EngineRequest("r", prompt, greedy, 10)])
     assert first["r"] + rest["r"] == plain["r"]
     assert decode.spec_drafted > 0
+
+
+def test_verified_drafts_carry_the_logprobs_plain_decoding_reports(checkpoint: Path) -> None:
+    """A chunk's rows are its positions in order: the accepted drafts' and the model's own token's logprobs are
+    those rows', the same numbers as one token a step."""
+    def requests() -> list[EngineRequest]:
+        return [EngineRequest(r.request_id, r.token_ids, SamplingParams(temperature=0.8, seed=r.sampling.seed,
+                                                                        logprobs=2), 14) for r in _requests(0.8)]
+
+    def run(engine: Engine) -> dict[str, list[tuple[int, float, list[int]]]]:
+        got: dict[str, list[tuple[int, float, list[int]]]] = {}
+        for r in requests():
+            engine.add(r)
+        while engine.has_work():
+            for o in engine.step():
+                assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids) or not o.token_ids
+                got.setdefault(o.request_id, []).extend(
+                    (t, lp.logprob, lp.top_ids) for t, lp in zip(o.token_ids, o.logprobs or []))
+        return got
+
+    plain = run(Engine(str(checkpoint), kv_blocks=64))
+    engine = Engine(str(checkpoint), kv_blocks=64, speculative_tokens=3)
+    real_draft = engine.model.mtp_draft
+    truth = {rid: [t for t, _, _ in v] for rid, v in plain.items()}
+    prompts = {r.request_id: len(r.token_ids) for r in requests()}
+
+    def oracle(kv, request_id, out, position, k):
+        real_draft(kv, request_id, out, position, k)
+        return truth[request_id][position + 1 - prompts[request_id]:][:k]
+
+    engine.model.mtp_draft = oracle
+    got = run(engine)
+    assert engine.spec_accepted > 0
+    for rid, want in plain.items():  # the same tokens and ranks; the numbers as close as one forward to another
+        assert [(t, ids) for t, _, ids in got[rid]] == [(t, ids) for t, _, ids in want]
+        assert [lp for _, lp, _ in got[rid]] == pytest.approx([lp for _, lp, _ in want], abs=1e-3)

@@ -2,17 +2,18 @@
 name rather than drop. `apply` runs on a request the API's converter has accepted, so every check the
 reference makes comes first and a request it refuses is still refused in its words.
 
-    honoured   chat: max_completion_tokens (the smaller of it and max_tokens), top_k, min_p,
-               repetition_penalty, min_tokens, ignore_eos;  completions: the same but max_completion_tokens;
-               messages: top_k (Anthropic's own)
+    honoured   chat: max_completion_tokens (the smaller of it and max_tokens), presence_penalty,
+               frequency_penalty, logit_bias, top_k, min_p, repetition_penalty, min_tokens, ignore_eos;
+               completions: the same but max_completion_tokens;  messages: top_k (Anthropic's own)
     refused    a field of REFUSED[api] sent with a value that is not its neutral one (penalty 0, logprobs
                false, n 1 are neutral): a 400 naming the field (FieldRefusal, the OpenAI error's `param`)
     harmless   everything else, read and ignored like the reference does (user, metadata, store,
                service_tier, parallel_tool_calls, stream_options.continuous_usage_stats) or unknown
 
 Where the reference reads none of these (it ignores top_k, max_completion_tokens and the vLLM fields, and
-serves logprobs and penalties to a backend that may honour them) each rule is a deviation, shown against it in
-tests/oracle/test_input_oracle_fields.py.
+serves logprobs, penalties and logit_bias to a backend that may honour them) each rule is a deviation, shown
+against it in tests/oracle/test_input_oracle_fields.py. The penalties' range ([-2, 2]) is the reference's own
+check, made by the API's converter before this runs.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from services.recipe.errors import FieldRefusal
 from services.recipe.prepared import Api, PreparedRequest
 
 INT32_LIMIT = 1 << 31  # top_k at or above the vocabulary is no filter: the bound only keeps ints int32
+MAX_LOGIT_BIAS = 1024  # entries: ours (OpenAI's documented bound is on the values only); each one costs every step
+_OPENAI_SAMPLING = ("presence_penalty", "frequency_penalty", "logit_bias")
+_VLLM = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
 HONOURED: dict[Api, tuple[str, ...]] = {
-    "chat": ("max_completion_tokens", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"),
-    "completions": ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"),
+    "chat": ("max_completion_tokens", *_OPENAI_SAMPLING, *_VLLM),
+    "completions": (*_OPENAI_SAMPLING, *_VLLM),
     "messages": ("top_k",),
     "responses": (),
 }
@@ -42,8 +46,33 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+def _logit_bias(name: str, value: Any) -> dict[int, float]:
+    """OpenAI's shape: an object from token ids (JSON keys, so strings of digits) to a bias in [-100, 100]. Whether
+    each id is in the model's vocabulary is check_logit_bias's, once the model is known."""
+    if not isinstance(value, dict):
+        raise FieldRefusal(f"Invalid {name} value: expected an object mapping token ids to biases, got "
+                           f"{unexpected(value)}", name)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise FieldRefusal(f"Invalid {name} value: at most {MAX_LOGIT_BIAS} token ids, got {len(value)}", name)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < INT32_LIMIT):
+            raise FieldRefusal(f"Invalid {name} key {key!r}: expected a token id (a non-negative integer)", name)
+        out[int(key)] = _number(name, bias, lambda x: -100.0 <= x <= 100.0, "[-100, 100]")
+    return out
+
+
+def _penalty(name: str, value: Any) -> float:
+    """The converter has checked the range on the f32 value, as the reference does; a double just past the bound
+    that rounds onto it is the bound."""
+    return min(max(_number(name, value, lambda x: True, "[-2, 2]"), -2.0), 2.0)
+
+
 # A sampling extension's name (also its InferenceSpec field) -> its reader: the value checked, as the engine takes it.
 EXTENSIONS: dict[str, Callable[[str, Any], Any]] = {
+    "presence_penalty": _penalty,
+    "frequency_penalty": _penalty,
+    "logit_bias": _logit_bias,
     "top_k": lambda n, v: max(_int(n, v, -1, INT32_LIMIT - 1, "-1 or 0 (no limit) or a positive integer"), 0),
     "min_p": lambda n, v: _number(n, v, lambda x: 0.0 <= x <= 1.0, "[0, 1]"),
     "repetition_penalty": lambda n, v: _number(n, v, lambda x: x > 0.0, "(0, inf), 1 = off"),
@@ -83,6 +112,14 @@ def check_min_tokens(prepared: PreparedRequest, max_tokens: int) -> None:
             f"min_tokens ({prepared.inference.min_tokens}) must be at most max_tokens ({max_tokens}, the room the "
             "prompt leaves)", "min_tokens",
         )
+
+
+def check_logit_bias(prepared: PreparedRequest, vocab_size: int) -> None:
+    """Once the model is known: every biased id must be one of its tokens."""
+    bad = next((t for t in prepared.inference.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise FieldRefusal(f"Invalid logit_bias key '{bad}': token id out of vocabulary (the model has "
+                           f"{vocab_size} tokens)", "logit_bias")
 
 
 def _int(name: str, value: Any, lo: int, hi: int, shown: str) -> int:
@@ -139,15 +176,11 @@ def _no_logprobs_include(v: Any) -> bool:
 
 
 LOGPROBS = "log probabilities are not reported yet"
-PENALTIES = "presence and frequency penalties are not applied yet (repetition_penalty is)"
 GUIDED = "constrained decoding is not served yet"
 
 # Field -> (its neutral values, why it is refused otherwise). Sampling and output fields of OpenAI's APIs and of
 # vLLM's extensions that would change the answer if they were honoured.
 _OPENAI: dict[str, tuple[Neutral, str]] = {
-    "presence_penalty": (_zero, PENALTIES),
-    "frequency_penalty": (_zero, PENALTIES),
-    "logit_bias": (_empty, "token biases are not applied"),
     "use_beam_search": (_false, "beam search is not served"),
     "length_penalty": (_one, "beam search is not served"),
     "stop_token_ids": (_empty, "stop on strings with `stop` instead"),
