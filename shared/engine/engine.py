@@ -313,6 +313,7 @@ class Engine:
             held=len(s.held),
             drafted=self.spec_drafted,
             accepted=self.spec_accepted,
+            verifies=self.spec_verifies,
         )
 
     # --- internals --------------------------------------------------------------------------------------------
