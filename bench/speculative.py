@@ -5,8 +5,9 @@
 Real SmolLM2-135M-Instruct weights, greedy, ignore_eos (every configuration generates the same tokens: the bench
 checks it). Two workloads: "quoting" (code edits and summaries whose answers copy their context: the assistant
 turn is started on the copy) and "free" (plain chat, little to copy). Configurations: no speculation, fixed K in
-{1, 2, 4}, and the adaptive policy with K = 4. A batch of b runs b requests together (the workload's prompts in
-turn); tok/s is generated tokens over the decode wall time (prefill excluded: it is the same for every run).
+{1, 2, 4}, and the adaptive policy with K = 4. A batch of b runs b requests together, once per prompt of the
+workload (request i of round j takes prompt i + j), so batch 1 too covers every prompt; tok/s is generated tokens over the decode wall time (prefill excluded: it is the same for every run);
+tokens/step is generated tokens per decode step and request, which a busy shared CPU does not skew.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def chat(user: str, start: str = "") -> str:
 
 WORKLOADS = {
     "quoting": [
-        chat(f"Fix the typo in this function and return the whole corrected function:\n{CODE}", "def mean(values):\n"),
-        chat(f"Summarise this article, quoting its key sentences:\n{ARTICLE}", "The city council voted"),
-        chat(f"Repeat this email exactly, then translate it:\n{EMAIL}", "Hi Sam,"),
+        chat(f"Fix the typo in this function and return the whole corrected function:\n{CODE}",
+             "def mean(values):\n    total = 0\n"),
+        chat(f"Quote the first two sentences of this article word for word:\n{ARTICLE}",
+             "The city council voted on Monday"),
+        chat(f"Repeat this email exactly:\n{EMAIL}", "Hi Sam, the deploy is moved"),
     ],
     "free": [
         chat("Write a short story about a dragon who learns to cook."),
@@ -67,6 +70,7 @@ CONFIGS = {  # name: (K, method, policy); K 0: no speculation
 @dataclass
 class Run:
     tokens_per_s: float
+    tokens_per_step: float
     outputs: dict[str, list[int]]
     drafted: int
     accepted: int
@@ -92,15 +96,23 @@ def run(loaded: LoadedModel, device: str, prompts: list[list[int]], batch: int, 
     while engine.scheduler.waiting or any(s.num_remaining > 1 for s in engine.scheduler.running):
         collect(engine.step())  # prefill (and each request's first token)
     first = sum(map(len, out.values()))
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), 0
     while engine.has_work():
         step = engine.step()
         if not step:
             break
+        steps += 1
         collect(step)
     wall = time.perf_counter() - start
     generated = sum(map(len, out.values())) - first
-    return Run(generated / wall, out, engine.spec_drafted, engine.spec_accepted, engine.spec_verifies)
+    return Run(generated / wall, generated / max(steps, 1) / batch, out, engine.spec_drafted, engine.spec_accepted, engine.spec_verifies)
+
+
+def rounds(runs: list[Run]) -> Run:
+    """One workload's rounds as one run: rates averaged over rounds, outputs and counters together."""
+    outputs = {f"{j}:{rid}": ids for j, r in enumerate(runs) for rid, ids in r.outputs.items()}
+    return Run(sum(r.tokens_per_s for r in runs) / len(runs), sum(r.tokens_per_step for r in runs) / len(runs),
+               outputs, sum(r.drafted for r in runs), sum(r.accepted for r in runs), sum(r.verifies for r in runs))
 
 
 def main() -> None:
@@ -113,14 +125,15 @@ def main() -> None:
     files = resolve(MODEL)
     loaded, tok = load(files), load_tokenizer(files)
     run(loaded, args.device, [tok.encode(chat("Hi"))], 1, 4, CONFIGS["ngram K=2"])  # warm up
-    lines = ["| workload | batch | config | tok/s | vs none | acceptance | mean accepted length |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | batch | config | tok/s | vs none | tokens/step | acceptance | mean accepted length |",
+             "|---|---|---|---|---|---|---|---|"]
     for workload, texts in WORKLOADS.items():
         prompts = [tok.encode(t) for t in texts]
         for batch in args.batch:
             base: Run | None = None
             for name, config in CONFIGS.items():
-                r = run(loaded, args.device, prompts, batch, args.tokens, config)
+                r = rounds([run(loaded, args.device, prompts[j:] + prompts[:j], batch, args.tokens, config)
+                            for j in range(len(prompts))])
                 if base is None:
                     base = r
                 elif r.outputs != base.outputs:
@@ -128,7 +141,7 @@ def main() -> None:
                 rate = f"{r.accepted / r.drafted:.2f}" if r.drafted else "-"
                 length = f"{1 + r.accepted / r.verifies:.2f}" if r.verifies else "-"
                 lines.append(f"| {workload} | {batch} | {name} | {r.tokens_per_s:.1f} | "
-                             f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {rate} | {length} |")
+                             f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {r.tokens_per_step:.2f} | {rate} | {length} |")
                 print(lines[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
