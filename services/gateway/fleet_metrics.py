@@ -22,11 +22,34 @@ _SERIES: list[tuple[str, bool, str, Callable[[Heartbeat], float]]] = [
      lambda b: 1 - b.free_blocks / b.total_blocks if b.total_blocks else 0.0),
     ("vllm:spec_decode_num_draft_tokens", True, "Number of draft tokens.", lambda b: b.spec_drafted),
     ("vllm:spec_decode_num_accepted_tokens", True, "Number of accepted tokens.", lambda b: b.spec_accepted),
+    ("vllm:spec_decode_num_drafts", True, "Number of spec decoding drafts (decode steps that verified drafts).",
+     lambda b: b.spec_verifies),
     ("deepinfer_worker_queued_tokens", False, "Prompt tokens waiting or being computed on the worker.",
      lambda b: b.queued_tokens),
     ("deepinfer_worker_kv_blocks_free", False, "Free KV blocks of the worker's engine.", lambda b: b.free_blocks),
     ("deepinfer_worker_kv_blocks", False, "KV blocks of the worker's engine.", lambda b: b.total_blocks),
 ]
+
+
+def _acceptance(beats: Sequence[Heartbeat]) -> Iterator[Metric]:
+    """Per model, over its live workers: drafts accepted / proposed and tokens a verifying step emits on average
+    (1 + accepted / verifies, vLLM's mean acceptance length); a model none of whose workers drafted has none."""
+    totals: dict[str, list[int]] = {}
+    for b in beats:
+        t = totals.setdefault(b.model, [0, 0, 0])
+        t[0], t[1], t[2] = t[0] + b.spec_drafted, t[1] + b.spec_accepted, t[2] + b.spec_verifies
+    rate = GaugeMetricFamily("deepinfer_spec_decode_acceptance_rate",
+                             "Speculative drafts accepted / proposed, over the model's live workers.",
+                             labels=["model_name"])
+    length = GaugeMetricFamily("deepinfer_spec_decode_mean_accepted_length",
+                               "Tokens a verifying decode step emits on average (1 + accepted / verifies), over the "
+                               "model's live workers.", labels=["model_name"])
+    for model, (drafted, accepted, verifies) in sorted(totals.items()):
+        if drafted and verifies:
+            rate.add_metric([model], accepted / drafted)
+            length.add_metric([model], 1 + accepted / verifies)
+    yield rate
+    yield length
 
 
 class FleetCollector:
@@ -43,6 +66,7 @@ class FleetCollector:
             for beat in beats:
                 family.add_metric([beat.model, beat.worker_id, beat.role], value(beat))
             yield family
+        yield from _acceptance(beats)
         services = GaugeMetricFamily("deepinfer_services", "Live instances of each service the gateway hears from.",
                                      labels=["service"])
         counts: dict[str, int] = {"prefill": 0, "decode": 0, "recipe": 0, "balancer": 0}

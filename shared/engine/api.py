@@ -61,5 +61,6 @@ class EngineStats:
     waiting: int
     queued_tokens: int  # tokens of admitted or waiting prompts whose KV is not computed yet
     held: int = 0  # finished hold_kv requests still holding blocks
-    drafted: int = 0  # speculative drafts proposed so far (MTP)
+    drafted: int = 0  # speculative drafts proposed so far (any drafter)
     accepted: int = 0  # ... and accepted: the acceptance rate is accepted / drafted
+    verifies: int = 0  # decode chunks that verified drafts: mean accepted length is 1 + accepted / verifies

@@ -32,16 +32,18 @@ from shared.engine import speculative as spec_decode
 from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutput
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import ModelConfig
+from shared.engine.drafters import Drafter, make_drafter, needs_hidden
 from shared.engine.kv_cache import HostBuffer, KVCache
 from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.processors import LogitsProcessors
-from shared.engine.protocols import Cache, GraphsDecode, HasOwnCache, drafter
+from shared.engine.protocols import Cache, GraphsDecode, HasOwnCache
 from shared.engine.sampler import sample, sample_on_device, token_logprobs
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
+from shared.engine.verify_policy import make_policy
 from shared.models import ModelFiles, resolve
 from shared.schemas.generate import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -103,12 +105,16 @@ class Engine:
         kernels: str = "auto",
         cuda_graphs: bool = True,
         speculative_tokens: int = 0,
+        speculative_method: str = "mtp",
+        speculative_policy: str = "fixed",
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
-        steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: drafts per decode step from
-        the model's MTP layer (DeepSeek-V4), verified in the same step (0 = off); max_model_len: caps a
+        steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
+        decode step, verified in the same step (0 = off); speculative_method: who drafts them (drafters/: "mtp",
+        the model's MTP layer, DeepSeek-V4; "ngram", prompt lookup, any model); speculative_policy: how many of
+        them a sequence verifies per step (verify_policy.py: "fixed" K, "adaptive"); max_model_len: caps a
         sequence's tokens below the model's context; gpu_memory_utilization: the share of the GPU's total memory
         this engine may fill, weights, activations (measured) and KV pool together, as vLLM's flag (memory.py;
         None: the KV pool takes GPU_KV_FRACTION of what is free after the weights)."""
@@ -128,9 +134,13 @@ class Engine:
         # A sequence never outgrows the context (nor the whole cache: _build_pool)
         self.context_cap = min(self.config.max_position, max_model_len or 1 << 62)
         self.speculative = speculative_tokens
-        self.drafter = drafter(self.model) if speculative_tokens else None
-        if speculative_tokens and self.drafter is None:
-            raise ValueError(f"{loaded.name}: no MTP layer to draft speculative tokens with")
+        self.drafter: Drafter | None = None
+        if speculative_tokens:
+            try:
+                self.drafter = make_drafter(speculative_method, self.model, speculative_tokens)
+            except ValueError as exc:
+                raise ValueError(f"{loaded.name}: {exc}") from None
+        self.policy = make_policy(speculative_policy, speculative_tokens)
         self.processors = LogitsProcessors(self.config.vocab_size, self.device)  # repetition penalty, min_tokens
         # the CPU steps synchronously (tests may switch this on); speculative steps need their tokens at once
         self.overlap = self.device.type == "cuda" and not speculative_tokens
@@ -138,7 +148,7 @@ class Engine:
         if kv_blocks is None:
             kv_blocks = self._default_blocks(gpu_memory_utilization)
         self._build_pool(kv_blocks)
-        if speculative_tokens and not 0 < speculative_tokens <= self.kv.backtrack:
+        if self.drafter is not None and not 0 < speculative_tokens <= self.kv.backtrack:
             raise ValueError(f"speculative_tokens must be in [1, {self.kv.backtrack}]")
 
     def _build_pool(self, num_blocks: int) -> None:
@@ -209,7 +219,7 @@ class Engine:
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
                 sample_on_device(logits, specs, positions).tolist())
             logprobs = self._logprobs(raw, specs, torch.tensor(sampled, device=self.device))
-            return _Launched(plan, spec_decode.verify(plan, sampled, self.processors, self.acceptance),
+            return _Launched(plan, spec_decode.verify(plan, sampled, self.processors, self.acceptance, self.policy),
                              logprobs=logprobs)
         if self.device.type == "cpu":
             tokens = sample(logits, specs, positions)
@@ -249,11 +259,14 @@ class Engine:
         if done.logprobs is not None:
             self._attach_logprobs(done, outputs)
         if self.drafter is not None:
-            assert self.runner.hidden is not None
-            spec_decode.draft(self.drafter, self.kv, done.plan, self.runner.hidden, self.scheduler, self.speculative)
+            hidden = self.runner.hidden if needs_hidden(self.drafter) else None
+            batch = len(self.scheduler.running)  # the next step's decodes, about: the load the policy weighs
+            self.drafter.propose(self.kv, done.plan, hidden, self.scheduler,
+                                 lambda seq, match: self.policy.length(seq.request_id, match, batch))
         for out in outputs:
             if out.finish_reason is not None:
                 self.processors.drop(out.request_id)
+                self.policy.drop(out.request_id)
                 if out.request_id not in self.scheduler.held:
                     self.kv.drop_state(out.request_id)  # held requests keep it for export until release()
         return outputs
@@ -281,6 +294,7 @@ class Engine:
         if self.scheduler.abort(request_id) is not None:
             self.kv.drop_state(request_id)
             self.processors.drop(request_id)
+            self.policy.drop(request_id)
 
     def release(self, request_id: str) -> None:
         if self.scheduler.release(request_id) is not None:
@@ -334,6 +348,14 @@ class Engine:
     def spec_accepted(self) -> int:
         return self.acceptance.accepted
 
+    @property
+    def spec_verifies(self) -> int:
+        return self.acceptance.verifies
+
+    def policy_state(self) -> dict:
+        """The verify-length policy's per-request history (empty for fixed K; tests check it is dropped)."""
+        return dict(getattr(self.policy, "history", {}))
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
@@ -345,6 +367,7 @@ class Engine:
             held=len(s.held),
             drafted=self.spec_drafted,
             accepted=self.spec_accepted,
+            verifies=self.spec_verifies,
         )
 
     # --- internals --------------------------------------------------------------------------------------------

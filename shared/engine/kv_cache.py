@@ -85,7 +85,9 @@ class CacheSpec:
 
 
 class KVCache:
-    backtrack = 0  # a request is never taken back past its computed tokens (no speculative drafts)
+    # no short-term state: a rejected draft's K/V row is just overwritten by the next step, so any number of tokens
+    # can be taken back; this bounds only how many drafts a step may verify (--speculative-tokens)
+    backtrack = 16
     replay_tokens = 0  # every K/V is long-term: a restored prefix needs nothing recomputed
 
     def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device) -> None:

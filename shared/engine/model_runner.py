@@ -96,7 +96,10 @@ class ModelRunner:
         ctx = starts + q_lens
         q_starts = np.cumsum(q_lens) - q_lens
         T, W = int(q_lens.sum()), int((-(-ctx // bt)).max())
-        sampled = (q_starts + q_lens - 1)[np.fromiter((c.sample for c in chunks), bool, S)]  # last row of a chunk
+        # a chunk's last row; a chunk with speculative drafts verifies every row
+        sampled = np.concatenate([np.arange(q_starts[i], q_starts[i] + q_lens[i]) if c.drafts else
+                                  q_starts[i : i + 1] + q_lens[i] - 1 for i, c in enumerate(chunks) if c.sample]
+                                 or [np.zeros(0, np.int64)])
         # one int32 buffer: ids (T) | positions (T) | slots (T) | tables (S, W) | ctx | q_starts | q_lens | rows
         sizes = [T, T, T, S * W, S, S, S, len(sampled)]
         buf = self.staging.host(sum(sizes))
@@ -105,7 +108,7 @@ class ModelRunner:
         tables[:] = 0
         for i, c in enumerate(chunks):
             seq, a, n = c.seq, q_starts[i], c.num_tokens
-            ids[a : a + n] = seq.token_ids[c.start : c.start + n]
+            ids[a : a + n] = seq.token_ids[c.start : c.start + n - len(c.drafts)] + list(c.drafts)
             table = seq.block_table[: -(-(c.start + n) // bt)]
             tables[i, : len(table)] = table
         row_seq = np.repeat(np.arange(S), q_lens)  # (T,) which sequence each row belongs to

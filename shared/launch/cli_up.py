@@ -18,7 +18,7 @@ from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS
 from shared.config import default_of, model_names
 from shared.nats_urls import server_urls
 from shared.logs import LOG_FORMATS
-from shared.worker.config import WorkerConfig
+from shared.worker.config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES, WorkerConfig
 
 DEVICE_SHARE = 0.9  # of one GPU, what its workers fill together by default; the rest: CUDA contexts, graphs
 
@@ -80,7 +80,13 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--enforce-eager", action="store_true", default=default_of(WorkerConfig, "enforce_eager"),
                          help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
     workers.add_argument("--speculative-tokens", type=int, default=default_of(WorkerConfig, "speculative_tokens"),
-                         help="MTP drafts per decode step for models with an MTP layer (DeepSeek-V4)")
+                         help="most drafts verified per decode step (0 = off)")
+    workers.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                         default=default_of(WorkerConfig, "speculative_method"),
+                         help="who drafts: mtp (the model's MTP layer) | ngram (prompt lookup, any model)")
+    workers.add_argument("--speculative-policy", choices=SPECULATIVE_POLICIES,
+                         default=default_of(WorkerConfig, "speculative_policy"),
+                         help="drafts verified per request and step: fixed | adaptive")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
     load.add_argument("--max-queued-requests", type=int, default=default_of(RecipeConfig, "max_queued_requests"),
                       help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")

@@ -88,6 +88,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
     worker = capped + ["--max-num-seqs", str(args.max_num_seqs)]
     for flag, value in (("--device", args.device), ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--speculative-tokens", args.speculative_tokens or None),
+                        ("--speculative-method", args.speculative_method if args.speculative_tokens else None),
+                        ("--speculative-policy", args.speculative_policy if args.speculative_tokens else None),
                         ("--kv-blocks", args.kv_blocks), ("--kv-arena-mib", args.kv_arena_mib),
                         ("--gpu-memory-utilization", cli_up.worker_share(args))):
         worker += [flag, str(value)] if value is not None else []

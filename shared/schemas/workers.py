@@ -21,10 +21,12 @@ class Heartbeat:
     cache_id: str = ""
     block_tokens: int = 0
     # for /metrics (vLLM's num_requests_waiting and spec_decode_* series): of `running`, the sequences not
-    # admitted yet; and the worker's MTP drafts proposed / accepted since it started (counters)
+    # admitted yet; and the worker's speculative drafts proposed / accepted since it started, and the decode chunks
+    # that verified them (counters: mean accepted length = 1 + accepted / verifies)
     waiting: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+    spec_verifies: int = 0
 
 
 @dataclass(frozen=True)

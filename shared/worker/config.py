@@ -11,6 +11,8 @@ from shared.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, GPU_BAT
 from shared.kv_arena import ARENA_MIB
 
 HANDOVERS = ("peer", "store")  # --kv-handover
+SPECULATIVE_METHODS = ("mtp", "ngram")  # --speculative-method: shared/engine/drafters METHODS (a test checks them)
+SPECULATIVE_POLICIES = ("fixed", "adaptive")  # --speculative-policy: shared/engine/verify_policy.py POLICIES
 KV_TRANSPORTS = "nats | shm"  # the names in shared/worker/kvclient.py TRANSPORTS, for --help (a test checks them)
 
 
@@ -30,7 +32,13 @@ class WorkerConfig:
         help=f"tokens per engine step (chunked prefill); default: {DEFAULT_MAX_BATCH_TOKENS} on a CPU, on a GPU "
              f"{GPU_BATCH_TOKENS['prefill']} for a prefill worker and {GPU_BATCH_TOKENS['decode']} for a decode worker")
     max_running: int = option(DEFAULT_MAX_RUNNING, aliases=("--max-num-seqs",), help="requests held at once")
-    speculative_tokens: int = option(0, help="MTP drafts per decode step (DeepSeek-V4 with an MTP layer; 0 = off)")
+    speculative_tokens: int = option(0, help="most drafts verified per decode step (0 = off)")
+    speculative_method: str = option(
+        "mtp", help="who drafts: mtp (the model's MTP layer, DeepSeek-V4) | ngram (prompt lookup: any model, no "
+                    "weights; pays where the output quotes its context)")
+    speculative_policy: str = option(
+        "fixed", help="drafts verified per request and step: fixed (always --speculative-tokens) | adaptive (fewer "
+                      "after short n-gram matches or rejections, none on large batches)")
     enforce_eager: bool = option(
         False, env=True, help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
     # share of the GPU this worker may fill; None = the engine's rule
@@ -76,6 +84,10 @@ class WorkerConfig:
             raise ValueError("--kv-arena-mib must be positive")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-method must be one of {list(SPECULATIVE_METHODS)}")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"--speculative-policy must be one of {list(SPECULATIVE_POLICIES)}")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:

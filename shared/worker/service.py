@@ -108,7 +108,8 @@ class EngineWorker(ABC):
         detail["held"] = stats.held
         detail["handover"] = self.handover_counts()
         if self.worker.speculative_tokens:
-            detail["mtp"] = {"drafted": stats.drafted, "accepted": stats.accepted}
+            detail["speculative"] = {"method": self.worker.speculative_method, "drafted": stats.drafted,
+                                     "accepted": stats.accepted, "verifies": stats.verifies}
         return True, orjson.dumps(detail).decode()
 
     async def stop(self) -> None:
@@ -141,6 +142,8 @@ class EngineWorker(ABC):
                 max_running=self.worker.max_running,
                 # prefill drafts nothing itself, but feeds the MTP layer the prompt so decode's drafts start warm
                 speculative_tokens=self.worker.speculative_tokens,
+                speculative_method=self.worker.speculative_method,
+                speculative_policy=self.worker.speculative_policy,
                 max_model_len=self.config.max_model_len,
                 gpu_memory_utilization=self.worker.gpu_memory_utilization,
                 cuda_graphs=not self.worker.enforce_eager,
@@ -333,6 +336,7 @@ class EngineWorker(ABC):
             sent_at=time.time(),
             waiting=stats.waiting,
             spec_drafted=stats.drafted,
+            spec_verifies=stats.verifies,
             spec_accepted=stats.accepted,
         )
         try:

@@ -379,3 +379,34 @@ def test_overlapped_steps_match_synchronous_with_processors(loaded: LoadedModel)
 
     sync = run(False)
     assert sync == run(True)
+
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_ngram_speculation_matches_plain_decoding(loaded: LoadedModel, device: str, kernels: str) -> None:
+    """Prompt-lookup drafts on both ops paths (Triton: the batched metadata verifies every draft row), greedy
+    and seeded, fixed K and adaptive: the tokens are plain decoding's. Drafts are rejected (the random model
+    ignores its prompt's repeats) and accepted (its greedy output falls into loops: 58 58 58 ...)."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton kernels on CPU tensors need the interpreter (set where there is no GPU)")
+    prompts = [[1] + list(range(40, 52)) * 3, PROMPTS[0], PROMPTS[2]]
+    tokens = 24
+    interpreted = kernels == "triton" and device == "cpu"
+    if interpreted:  # the interpreter is slow (two minutes for the whole case): fewer rows, the same paths
+        prompts, tokens = prompts[:2], 20
+
+    def requests() -> list[EngineRequest]:
+        return [EngineRequest(f"r{i}-{t}", p, SamplingParams(temperature=t, seed=5 + i, ignore_eos=True), tokens)
+                for i, p in enumerate(prompts) for t in (0.0, 0.9)]
+
+    plain = Engine(loaded, device=device, dtype=torch.float32, kv_blocks=32, kernels=kernels)
+    expected = run_to_completion(plain, requests())
+    # (the interpreter is slow: on a CPU, Triton runs one policy; the verify rows are the same for both)
+    for policy in ("fixed",) if interpreted else ("fixed", "adaptive"):
+        spec = Engine(loaded, device=device, dtype=torch.float32, kv_blocks=32, kernels=kernels,
+                      speculative_tokens=4, speculative_method="ngram", speculative_policy=policy)
+        assert run_to_completion(spec, requests()) == expected
+        assert spec.spec_drafted > spec.spec_accepted > 0 and spec.stats().free_blocks == 32

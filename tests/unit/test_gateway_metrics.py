@@ -194,7 +194,9 @@ async def test_readiness_and_worker_gauges_follow_the_heartbeats() -> None:
         await bus.deliver(subjects.PRESENCE, Presence("balancer", "balancer-0"))
         await bus.deliver(subjects.HEARTBEAT, beat("prefill-0", "prefill", queued_tokens=30, running=1))
         await bus.deliver(subjects.HEARTBEAT, beat("decode-0", "decode", running=3, waiting=1, free_blocks=75,
-                                                   spec_drafted=10, spec_accepted=7))
+                                                   spec_drafted=10, spec_accepted=7, spec_verifies=4))
+        await bus.deliver(subjects.HEARTBEAT, beat("decode-2", "decode", spec_drafted=6, spec_accepted=1,
+                                                   spec_verifies=3))
         assert await health() == (200, {"status": "ok"})
         parsed = families(await (await client.get("/metrics")).text())
         decode = {"model_name": MODEL, "engine": "decode-0", "role": "decode"}
@@ -203,8 +205,12 @@ async def test_readiness_and_worker_gauges_follow_the_heartbeats() -> None:
         assert value(parsed, "vllm:kv_cache_usage_perc", **decode) == 0.25
         assert value(parsed, "vllm:spec_decode_num_draft_tokens_total", **decode) == 10
         assert value(parsed, "vllm:spec_decode_num_accepted_tokens_total", **decode) == 7
+        assert value(parsed, "vllm:spec_decode_num_drafts_total", **decode) == 4
+        # per model, over both decode workers: 8 of 16 drafts kept, 7 verifying steps emitted 7 + 8 tokens
+        assert value(parsed, "deepinfer_spec_decode_acceptance_rate", model_name=MODEL) == 0.5
+        assert value(parsed, "deepinfer_spec_decode_mean_accepted_length", model_name=MODEL) == 1 + 8 / 7
         assert value(parsed, "deepinfer_worker_queued_tokens", engine="prefill-0") == 30
-        assert value(parsed, "deepinfer_ready") == 1 and value(parsed, "deepinfer_services", service="decode") == 1
+        assert value(parsed, "deepinfer_ready") == 1 and value(parsed, "deepinfer_services", service="decode") == 2
 
         clock.t += 2.0  # the decode worker falls silent; everyone else keeps speaking
         await bus.deliver(subjects.PRESENCE, Presence("recipe", "recipe-0", [MODEL]))
@@ -215,6 +221,7 @@ async def test_readiness_and_worker_gauges_follow_the_heartbeats() -> None:
         parsed = families(await (await client.get("/metrics")).text())
         assert value(parsed, "vllm:num_requests_running", engine="decode-0") is None
         assert value(parsed, "deepinfer_ready") == 0
+        assert value(parsed, "deepinfer_spec_decode_acceptance_rate", model_name=MODEL) is None  # none drafts now
 
         await bus.deliver(subjects.HEARTBEAT, beat("decode-1", "decode"))  # a restarted worker
         assert (await health())[0] == 200
