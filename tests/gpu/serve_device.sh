@@ -21,7 +21,7 @@ loaded = random_llama(SHAPES["smollm2-135m"], "cpu", torch.bfloat16, seed=0)
 save_file({k: v.contiguous() for k, v in loaded.weights.items()}, str(out / "model.safetensors"))
 print("model dir", out, sorted(p.name for p in out.iterdir()))
 PY
-python3 -m shared.cli up --model "$MODEL" --state-dir /tmp/state >"$OUT/up.log" 2>&1 &
+python3 -m shared.launch.cli up --model "$MODEL" --state-dir /tmp/state >"$OUT/up.log" 2>&1 &
 UP=$!
 for _ in $(seq 120); do grep -q "is up" "$OUT/up.log" && break; sleep 1; done
 tail -3 "$OUT/up.log"

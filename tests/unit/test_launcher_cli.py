@@ -1,7 +1,7 @@
 """`deepinfer up` / `serve` before anything starts: its checks name the cause, its flags have environment
 defaults and reach the services that own them; `--version`, fast help, a dead child's own error, JSON logs.
 
-The launcher runs as a subprocess (`python -m shared.cli up ...`); every case here fails before a model loads.
+The launcher runs as a subprocess (`python -m shared.launch.cli up ...`); every case here fails before a model loads.
 """
 
 from __future__ import annotations
