@@ -32,6 +32,10 @@ and with --io blocks (before the one-copy path): read_blocks (a bytes per block)
                          reply is a descriptor, decode maps the arena, checks every block's xxh3 there and
                          imports from views of the map (write_blocks -> import_run: one copy); the region is the
                          child's again once decode's views are gone
+    (c) peer cuda        (--device cuda) the same hand-over between two GPU processes by CUDA IPC
+                         (kv_cuda_ipc.py): the child exports the run into one device buffer (export_run on the
+                         device), the reply carries its handle, decode copies it device to device, checks its
+                         digest and imports from the copy (write_blocks -> import_run: one device copy)
     1 block latency      (a) and (b) for one block, median of --repeat
 
 Ceilings, same bytes, same run:
@@ -80,6 +84,7 @@ from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
 from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
+from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion  # noqa: E402
 from shared.worker.kv_peer_transport import ShmExporter  # noqa: E402
 from shared.worker.kvclient import KvClient  # noqa: E402
 from shared.schemas.health import HealthReply, HealthRequest  # noqa: E402
@@ -171,6 +176,8 @@ class Row:
     h2d_s: float = 0.0  # pinned, one copy (0: not measured, CPU)
     d2h_s: float = 0.0
     d2h_pageable_s: float = 0.0
+    peer_cuda_s: float = 0.0  # (c) on the peer path by CUDA IPC (0: not measured, CPU)
+    d2d_s: float = 0.0  # one device-to-device copy of the run (the GPU's ceiling for the CUDA IPC hand-over)
 
 
 # --- ceilings ------------------------------------------------------------------------------------------------------
@@ -203,6 +210,20 @@ def device_copy_s(nbytes: int, device: torch.device, repeat: int) -> tuple[float
             torch.cuda.synchronize()
             best[i] = min(best[i], time.perf_counter() - started)
     return best[0], best[1], best[2]
+
+
+def d2d_s(nbytes: int, device: torch.device, repeat: int) -> float:
+    """One device-to-device copy of `nbytes` on `device`, best of `repeat`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        started = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def sync(device: torch.device) -> None:
@@ -321,9 +342,12 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     wire = await nats_s(url, nbytes)
     peer = await peer_path(url, layout, n, make, device, "nats")
     peer_shm = await peer_path(url, layout, n, make, device, "shm")
+    on_gpu = device.type == "cuda"
+    peer_cuda = await peer_path(url, layout, n, make, device, "cuda-ipc") if on_gpu else 0.0
+    d2d = d2d_s(nbytes, device, repeat) if on_gpu else 0.0
     return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, put_s, get_s, put_s + get_s,
                peer, peer_shm, statistics.median(one_put), statistics.median(one_get), failed, n - got_back, h2d, d2h,
-               d2h_pageable)
+               d2h_pageable, peer_cuda, d2d)
 
 
 # --- the peer path (the hand-over straight from prefill to decode) -------------------------------------------------
@@ -351,7 +375,8 @@ async def peer_path(url: str, layout: str, n: int, make: Callable[[int, torch.de
     try:
         # long timeouts: a throughput measure on a loaded machine, not the fault behaviour (tests/ has that)
         puller = PeerPuller(bus, dst.block_bytes, message_bytes=min(4 * MiB, bus.max_payload - 64 * 1024),
-                            via=["shm"] if transport == "shm" else [], first_timeout=120.0, timeout=60.0)
+                            via=[] if transport == "nats" else [transport], first_timeout=120.0, timeout=60.0,
+                            device=str(device))
         best = float("inf")
         for attempt in range(3):
             rid = f"bench-{transport}-{attempt}"
@@ -368,6 +393,8 @@ async def peer_path(url: str, layout: str, n: int, make: Callable[[int, torch.de
             assert got == n, f"the peer gave {got} of {n} blocks"
             if transport == "shm":
                 assert puller.counts["peer_blocks_shm"] == (attempt + 1) * n, "not through shared memory"
+            if transport == "cuda-ipc":
+                assert puller.counts["peer_blocks_cuda"] == (attempt + 1) * n, "not by CUDA IPC"
             await asyncio.sleep(0.5)  # untimed: the done reaches the child, its region is free for the next
         return best
     finally:
@@ -382,7 +409,7 @@ async def peer_child(url: str, layout: str, n: int, device: str, transport: str)
     region of a peer arena the size of the run, with export_run, as the worker's ShmExporter.export does)."""
     src = LAYOUTS[layout][1](n, torch.device(device))
     exporter = ShmExporter.open(f"{PEER}-{os.getpid()}", n * src.block_bytes + MiB) if transport == "shm" else None
-    handovers = Handovers(exporter=exporter)
+    handovers = Handovers(exporter=exporter, cuda=CudaExporter() if transport == "cuda-ipc" else None)
     bus = await Bus.connect(url, PEER)
     raw = await nats.connect(url)
 
@@ -395,6 +422,11 @@ async def peer_child(url: str, layout: str, n: int, device: str, transport: str)
         rid = msg.data.decode()
         handovers.open(rid, peer_keys(rid, n))
         await msg.respond(b"ok")  # the job has left: decode may pull now, and waits for the export
+        if transport == "cuda-ipc":  # as CudaExporter.export does through the engine: one gather on the device
+            buf = torch.empty(n * src.block_bytes, dtype=torch.uint8, device=device)
+            src.export_run(list(range(n)), buf)
+            handovers.fill_device(rid, DeviceRegion.of(buf, [src.block_bytes] * n, n, False))
+            return
         if exporter is not None:
             lengths = [src.block_bytes] * n
             taken = exporter.take(lengths)
@@ -500,18 +532,23 @@ def rate(nbytes: int, seconds: float) -> str:
 
 def table(rows: list[Row], slow: int) -> str:
     gpu = any(r.h2d_s for r in rows)
-    extra = "h2d pinned | d2h pinned | d2h pageable | " if gpu else ""
+    extra = "h2d pinned | d2h pinned | d2h pageable | d2d | " if gpu else ""
+    cuda_head = "| (c) peer cuda | peer cuda / d2d | peer shm / peer cuda " if gpu else ""
     lines = [
         f"| layout | tokens | blocks | MB | memcpy | {extra}disk write | disk read | nats | export | import "
         "| (a) export+put | (b) get+import "
         "| (c) hand-over | (c) / memcpy | (c) / nats | (c) peer | peer / memcpy | store / peer "
         "| (c) peer shm | peer shm / memcpy | peer / peer shm "
+        f"{cuda_head}"
         "| 1 block put | 1 block get | failed puts | blocks not got back |",
-        "|---" * (25 + 3 * gpu) + "|",
+        "|---" * (25 + 7 * gpu) + "|",
     ]
     for r in rows:
         copies = (f"{rate(r.nbytes, r.h2d_s)} | {rate(r.nbytes, r.d2h_s)} | {rate(r.nbytes, r.d2h_pageable_s)} | "
-                  if gpu else "")
+                  f"{rate(r.nbytes, r.d2d_s)} | " if gpu else "")
+        cuda = (f"| {r.peer_cuda_s * 1e3:,.1f} ms ({rate(r.nbytes, r.peer_cuda_s)}) "
+                f"| {r.peer_cuda_s / r.d2d_s:,.0f}x | {r.peer_shm_s / r.peer_cuda_s:,.1f}x "
+                if gpu and r.peer_cuda_s and r.d2d_s else ("| - | - | - " if gpu else ""))
         lines.append(
             f"| {r.layout} | {r.tokens} | {r.blocks} | {r.nbytes / 1e6:,.0f} | {rate(r.nbytes, r.memcpy_s)} | {copies}"
             f"{rate(r.nbytes, r.disk_write_s)} | {rate(r.nbytes, r.disk_read_s)} | {rate(r.nbytes, r.nats_s)} "
@@ -524,6 +561,7 @@ def table(rows: list[Row], slow: int) -> str:
             f"| {r.handover_s / r.peer_s:,.1f}x "
             f"| {r.peer_shm_s * 1e3:,.1f} ms ({rate(r.nbytes, r.peer_shm_s)}) | {r.peer_shm_s / r.memcpy_s:,.1f}x "
             f"| {r.peer_s / r.peer_shm_s:,.1f}x "
+            f"{cuda}"
             f"| {r.one_put_s * 1e3:.1f} ms | {r.one_get_s * 1e3:.1f} ms | {r.failed_puts} | {r.missing_gets} |"
         )
     lines.append(f"\nSlow-consumer disconnects in the nats-server log: {slow}")

@@ -136,7 +136,8 @@ class DecodeService(EngineWorker):
         assert self._kv_bus is not None and self.engine is not None
         message = min(4 * MiB, self._kv_bus.max_payload - MESSAGE_OVERHEAD)
         self.peers = PeerPuller(self._kv_bus, self.engine.layout.block_bytes, message_bytes=message,
-                                via=peer_transport(self.worker.kv_peer_transport).reads)
+                                via=peer_transport(self.worker.kv_peer_transport).reads,
+                                device=self.engine.layout.device)
 
     def handover_counts(self) -> dict[str, int]:
         return {**self.fetched, **(self.peers.counts if self.peers is not None else {})}

@@ -19,6 +19,7 @@ from shared import hashing, subjects
 from shared.bus import Envelope
 from shared.config import ServiceConfig
 from shared.worker.kv_peer import Handovers
+from shared.worker.kv_cuda_ipc import CudaExporter
 from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MiB
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent, TokenLogprob
@@ -144,6 +145,10 @@ class PrefillService(EngineWorker):
         """Export the prompt's KV once into its hand-over: into a region of the peer arena where there is one
         and room in it, else as bytes; the same bytes (views of the region) go to the store afterwards."""
         assert self.engine is not None and self.transfer is not None
+        if self.handovers.cuda is not None:  # first, and fast: a pull offering cuda-ipc is answered from it
+            device = await self.handovers.cuda.export(self.engine, request_id, tokens)
+            if device is not None:
+                self.handovers.fill_device(request_id, device)
         exporter = self.handovers.exporter
         part_bytes = self.transfer.state_part_bytes
         region = await exporter.export(self.engine, request_id, tokens, part_bytes) if exporter is not None else None
@@ -168,8 +173,11 @@ class PrefillService(EngineWorker):
     # --- the hand-over's prefill side (shared/worker/kv_peer.py) -----------------------------------------------------
 
     async def serve_handover(self) -> None:
-        assert self._kv_bus is not None
-        exporter = peer_transport(self.worker.kv_peer_transport).exporter
+        assert self._kv_bus is not None and self.engine is not None
+        transport = peer_transport(self.worker.kv_peer_transport)
+        exporter = transport.exporter
+        if transport.device and self.worker.kv_handover == "peer" and self.engine.layout.device.startswith("cuda"):
+            self.handovers.cuda = CudaExporter()
         if exporter is not None and self.worker.kv_handover == "peer":
             try:
                 self.handovers.exporter = exporter(self.config.instance, self.worker.kv_arena_mib * MiB)
@@ -189,7 +197,8 @@ class PrefillService(EngineWorker):
         exporter = self.handovers.exporter
         shm = {} if exporter is None else {**{f"shm_{k}": v for k, v in exporter.counts.items()},
                                           "shm_regions_held": exporter.held}
-        return {**self.handovers.counts, "leases": len(self.handovers), **shm}
+        cuda = {} if self.handovers.cuda is None else dict(self.handovers.cuda.counts)
+        return {**self.handovers.counts, "leases": len(self.handovers), **shm, **cuda}
 
     async def stop(self) -> None:
         await super().stop()

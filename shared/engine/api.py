@@ -51,6 +51,7 @@ class KvLayout:
     cache_id: str  # names the model, dtype and layout: blocks of different ids never mix
     has_request_state: bool  # per-request state (DeepSeek-V4's rings) travels with the blocks
     replay_tokens: int  # tokens recomputed before a prefix restored without that state
+    device: str = "cpu"  # where the KV lies ("cuda:0"): a GPU's can be handed over by CUDA IPC
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 from shared.engine.api import EngineFailure, EngineStats, KvLayout
 from shared.engine.engine import Engine, EngineRequest, StepOutput
 
@@ -39,7 +41,7 @@ class AsyncEngine:
         self._stats = engine.stats()  # no engine thread yet: safe to read here
         self._stats_at = time.monotonic()
         self.layout = KvLayout(engine.block_tokens, engine.block_bytes, engine.cache_id, engine.has_request_state,
-                               engine.replay_tokens)
+                               engine.replay_tokens, str(engine.device))
 
     @property
     def stats(self) -> EngineStats:
@@ -76,6 +78,12 @@ class AsyncEngine:
     async def export_into(self, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:
         """Blocks base + [lo, hi) of a request into each part's buffer, in one engine call."""
         await self.call(_export_parts, self.engine, request_id, base, parts)
+
+    async def export_device(self, request_id: str, blocks: int, state: bytes, nbytes: int) -> torch.Tensor:
+        """Blocks [0, blocks) of a request, then `state`, back to back in a new uint8 buffer of `nbytes` (the rest
+        zero) on the engine's GPU: one gather on the device, no host copy (a hand-over by CUDA IPC). Raises
+        torch.OutOfMemoryError when the GPU has no room for it."""
+        return await self.call(_export_device, self.engine, request_id, blocks, state, nbytes)
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run())
@@ -167,6 +175,17 @@ class AsyncEngine:
         for queue in self._outputs.values():
             queue.put_nowait(None)
         self._thread.shutdown(wait=True)
+
+
+def _export_device(engine: Engine, request_id: str, blocks: int, state: bytes, nbytes: int) -> torch.Tensor:
+    assert engine.device.type == "cuda", "a device export needs the engine on a GPU"
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=engine.device)
+    at = blocks * engine.block_bytes
+    engine.export_into(request_id, 0, blocks, buf[:at])
+    if state:
+        buf[at : at + len(state)].copy_(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    buf[at + len(state) :].zero_()
+    return buf
 
 
 def _export_parts(engine: Engine, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:

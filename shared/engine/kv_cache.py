@@ -33,8 +33,28 @@ from typing import Union
 import numpy as np
 import torch
 
-Blob = Union[bytes, bytearray, memoryview]
-HostBuffer = Union[bytes, bytearray, memoryview, np.ndarray, torch.Tensor]  # contiguous host memory
+HostBuffer = Union[bytes, bytearray, memoryview, np.ndarray, torch.Tensor]  # contiguous host memory; or, for a
+# run's export and import only, a flat uint8 tensor on the cache's GPU (a hand-over by CUDA IPC: no host copy)
+
+
+@dataclass(frozen=True)
+class DeviceBlob:
+    """A block's bytes in device memory: `run[offset : offset + nbytes]` of a flat uint8 tensor on the GPU (a
+    hand-over copied from a peer GPU, shared/worker/kv_cuda_ipc.py). Blobs of one run lying back to back are
+    imported with one device copy."""
+
+    run: torch.Tensor
+    offset: int
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def view(self) -> torch.Tensor:
+        return self.run[self.offset : self.offset + self.nbytes]
+
+
+Blob = Union[bytes, bytearray, memoryview, DeviceBlob]
 
 
 @dataclass(frozen=True)
@@ -120,10 +140,12 @@ class KVCache:
 
     def export_run(self, blocks: list[int], out: HostBuffer) -> None:
         """The blobs of `blocks` one after another into `out` (len(blocks) * block_bytes bytes, writable)."""
-        dst = host_bytes(out, len(blocks) * self.block_bytes)
+        on_device = device_run(out, len(blocks) * self.block_bytes)
+        dst = None if on_device is not None else host_bytes(out, len(blocks) * self.block_bytes)
         if not blocks:
             return
         if self.kv.device.type == "cpu":
+            assert dst is not None, "a CPU cache exports into host memory"
             # (L, 2, N, B*K*D) bytes: each blob is the L*2 rows of its block, copied once by numpy (a 6-D permute
             # through torch copies at about a thirtieth of that on CPU)
             rows = self._rows()
@@ -132,23 +154,26 @@ class KVCache:
                 per_block[i] = rows[:, :, b]
             return
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
-        # (L, 2, n, B, K, D) -> (n, L, 2, B, K, D) on the device, then one device->host copy
+        # (L, 2, n, B, K, D) -> (n, L, 2, B, K, D) on the device, then one copy out (device->host, or on the device)
         data = self.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-        torch.from_numpy(dst).copy_(data.view(-1).view(torch.uint8))
+        (on_device if on_device is not None else torch.from_numpy(dst)).copy_(data.view(-1).view(torch.uint8))
 
     def import_run(self, blocks: list[int], src: HostBuffer) -> None:
         """Write `blocks` from `src`, their blobs one after another (what export_run wrote)."""
         assert self.spec.paged is not None
-        data = host_bytes(src, len(blocks) * self.block_bytes)
+        on_device = device_run(src, len(blocks) * self.block_bytes)
+        data = None if on_device is not None else host_bytes(src, len(blocks) * self.block_bytes)
         if not blocks:
             return
         if self.kv.device.type == "cpu":
+            assert data is not None, "a CPU cache imports from host memory"
             rows = self._rows()
             per_block = data.reshape(len(blocks), rows.shape[0], rows.shape[1], -1)
             for i, b in enumerate(blocks):
                 rows[:, :, b] = per_block[i]
             return
-        raw = to_device(data, self.kv.device)  # one host->device copy
+        # one host->device copy, or none (a peer GPU's run: one device copy, the index_copy_ below)
+        raw = on_device.to(self.kv.device) if on_device is not None else to_device(data, self.kv.device)
         runs = raw.view(self.kv.dtype).view(len(blocks), *self.spec.paged.block_shape)
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
         self.kv.index_copy_(2, index, runs.permute(1, 2, 0, 3, 4, 5))
@@ -203,6 +228,17 @@ def host_bytes(buf: HostBuffer, nbytes: int) -> np.ndarray:
     return arr
 
 
+def device_run(buf: object, nbytes: int) -> torch.Tensor | None:
+    """`buf` as a flat uint8 tensor when it lies on a GPU (checked to be `nbytes`), else None (host memory)."""
+    if not isinstance(buf, torch.Tensor) or buf.device.type == "cpu":
+        return None
+    assert buf.dtype == torch.uint8 and buf.is_contiguous(), "a contiguous uint8 device tensor"
+    flat = buf.reshape(-1)
+    if flat.numel() != nbytes:
+        raise ValueError(f"a device buffer of {flat.numel()} bytes for a run of {nbytes}")
+    return flat
+
+
 def to_device(data: np.ndarray, device: torch.device) -> torch.Tensor:
     """One host->device copy of `data` (read-only memory is fine: nothing writes through the host tensor)."""
     with warnings.catch_warnings():
@@ -222,11 +258,15 @@ def split_blobs(export: Callable[[list[int], HostBuffer], None], blocks: list[in
     return [bytes(buf[i * block_bytes : (i + 1) * block_bytes]) for i in range(len(blocks))]
 
 
-def runs_of(blobs: Sequence[Blob], each: bool) -> Iterator[tuple[int, int, np.ndarray]]:
+def runs_of(blobs: Sequence[Blob], each: bool) -> Iterator[tuple[int, int, np.ndarray | torch.Tensor]]:
     """(start, end, bytes) covering `blobs` in order: blobs that lie back to back in one buffer (a run the arena
     lent) as one view of it, so a run crosses to the device in one copy; the others joined into one copy per
     stretch of them, so an import is a few large copies, not one per blob. `each`: every blob on its own, no
-    join (where one copy per block costs nothing more, as Llama's on the CPU)."""
+    join (where one copy per block costs nothing more, as Llama's on the CPU). Blobs in device memory
+    (DeviceBlob) come as device tensors, back-to-back ones of one run as one."""
+    if any(isinstance(b, DeviceBlob) for b in blobs):
+        yield from _device_runs(blobs)
+        return
     if each:
         for i, blob in enumerate(blobs):
             yield i, i + 1, np.frombuffer(blob, dtype=np.uint8)
@@ -243,6 +283,28 @@ def runs_of(blobs: Sequence[Blob], each: bool) -> Iterator[tuple[int, int, np.nd
         at = end
     if loose < len(blobs):
         yield loose, len(blobs), _joined(blobs[loose:])
+
+
+def _device_runs(blobs: Sequence[Blob]) -> Iterator[tuple[int, int, np.ndarray | torch.Tensor]]:
+    """runs_of for a list that has device blobs: each stretch of them lying back to back in one run as one
+    tensor, the host blobs between as runs_of gives them."""
+    at = 0
+    while at < len(blobs):
+        first = blobs[at]
+        if not isinstance(first, DeviceBlob):
+            end = next((i for i in range(at, len(blobs)) if isinstance(blobs[i], DeviceBlob)), len(blobs))
+            for lo, hi, data in runs_of(blobs[at:end], False):
+                yield at + lo, at + hi, data
+            at = end
+            continue
+        end, nbytes = at + 1, first.nbytes
+        while end < len(blobs):
+            nxt = blobs[end]
+            if not isinstance(nxt, DeviceBlob) or nxt.run is not first.run or nxt.offset != first.offset + nbytes:
+                break
+            end, nbytes = end + 1, nbytes + nxt.nbytes
+        yield at, end, first.run[first.offset : first.offset + nbytes]
+        at = end
 
 
 def _adjacent(blobs: Sequence[Blob], at: int) -> tuple[int, np.ndarray]:

@@ -14,7 +14,7 @@ against these dataclasses where a message arrives).
     prefill/decode (and gateway) -> kvcache  kv.py         KvLookup, KvGet, KvPut, KvGetRun, KvPutBatch, KvPutShm,
                                                            KvGetRunShm, KvDelete and their replies; KvStats ->
                                                            KvStatsReply (KvTierStats), for /metrics
-    decode -> prefill (the KV hand-over)     kv_peer.py    KvPeerPull -> KvPeerReply (KvPeerShm); KvPeerDone
+    decode -> prefill (the KV hand-over)     kv_peer.py    KvPeerPull -> KvPeerReply (KvPeerShm | KvPeerCuda); KvPeerDone
     caches -> balancer (who holds what)      events.py     KvEvent; KvSnapshotRequest -> KvSnapshot
     gateway -> balancer                      balancer.py   BalancerStats -> BalancerStatsReply, for /metrics
     launcher -> every service; -> gateway    health.py     HealthRequest -> HealthReply; Presence

@@ -37,6 +37,35 @@ class KvPeerShm:
 
 
 @dataclass(frozen=True)
+class CudaHandle:
+    """A CUDA allocation shared with another process, as plain data (what torch's storage-level `_share_cuda_`
+    gives: shared/worker/kv_cuda_ipc.py), never pickled."""
+
+    device: int  # the producer's device index (the consumer maps it by `KvPeerCuda.uuid`)
+    handle: bytes  # cudaIpcMemHandle of the allocation the buffer lies in
+    size_bytes: int  # the storage's
+    offset_bytes: int  # the storage's start inside that allocation
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    nbytes: int  # of the buffer (the storage may be larger: the caching allocator's block)
+
+
+@dataclass(frozen=True)
+class KvPeerCuda:
+    """Where a hand-over's items lie in the prefill worker's GPU memory: one device buffer, the items back to back
+    from 0 (blocks, the partial block, the state as one item); decode copies it device to device and checks the
+    copy's digest before it uses a byte."""
+
+    boot_id: str  # the producer's host (its kernel boot id): a handle means nothing on another host
+    uuid: str  # the producer's GPU
+    handle: CudaHandle
+    lengths: list[int]  # every item's, from item 0
+    digest: int  # the buffer's 64-bit words summed modulo 2**64, as a signed int64 (kv_cuda_ipc.digest)
+
+
+@dataclass(frozen=True)
 class KvPeerReply:
     found: bool  # False: no live hand-over of that request here (ended, expired, cancelled, other hashes)
     items: list[bytes] = field(default_factory=list)  # items [start, start + len(items))
@@ -46,6 +75,7 @@ class KvPeerReply:
     state_parts: int = 0  # items of model state after that
     checksum: str = "crc32"  # which: the one asked for where the peer has it, else crc32 (everyone has it)
     shm: KvPeerShm | None = None  # set: the items lie there (items is empty; checksums are of all of them)
+    cuda: KvPeerCuda | None = None  # set: the items lie in the peer's GPU memory (items and checksums empty)
 
 
 @dataclass(frozen=True)

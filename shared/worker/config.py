@@ -57,15 +57,15 @@ class WorkerConfig:
                                "(through the kvcache service only)")
     # how a peer hand-over's bytes go: shared/worker/kv_peer_transport.py PEER_TRANSPORTS
     kv_peer_transport: str = option(
-        "auto", env=True, help="how a peer hand-over's bytes reach decode: auto (shared memory when decode can map "
-                               "prefill's arena, i.e. one host; else nats) | shm | nats | cuda-ipc (not built yet: "
-                               "runs as auto)")
+        "auto", env=True, help="how a peer hand-over's bytes reach decode: auto (GPU to GPU by CUDA IPC when both "
+                               "engines are on GPUs of one host, else shared memory when decode can map prefill's "
+                               "arena, else nats) | cuda-ipc (the same) | shm | nats")
     kv_arena_mib: int = option(
         ARENA_MIB, env=True, help="MiB of shared memory (/dev/shm) per arena: the store's (--kv-transport shm) and a "
                                   "prefill worker's peer hand-overs' (a prompt's KV that does not fit goes over NATS)")
 
     def __post_init__(self) -> None:
-        from shared.worker.kv_peer_transport import PEER_TRANSPORTS, PLANNED
+        from shared.worker.kv_peer_transport import PEER_TRANSPORTS
         from shared.worker.kvclient import TRANSPORTS  # the bus: not for `deepinfer up --help`
 
         if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_running < 1:
@@ -78,8 +78,8 @@ class WorkerConfig:
             raise ValueError(f"--kv-transport must be one of {sorted(TRANSPORTS)}")
         if self.kv_handover not in HANDOVERS:
             raise ValueError(f"--kv-handover must be one of {list(HANDOVERS)}")
-        if self.kv_peer_transport not in (*PEER_TRANSPORTS, *PLANNED):
-            raise ValueError(f"--kv-peer-transport must be one of {[*PEER_TRANSPORTS, *PLANNED]}")
+        if self.kv_peer_transport not in PEER_TRANSPORTS:
+            raise ValueError(f"--kv-peer-transport must be one of {list(PEER_TRANSPORTS)}")
         if self.kv_arena_mib < 1:
             raise ValueError("--kv-arena-mib must be positive")
         if self.speculative_tokens < 0:

@@ -1,50 +1,83 @@
-"""CUDA IPC for the peer hand-over between two GPU workers of one host: the mechanism, not yet the transport.
+"""The hand-over between two GPU workers of one host by CUDA IPC (`--kv-peer-transport cuda-ipc`, and `auto`'s
+first choice): the bytes never leave device memory.
 
-What exists: `share` turns a device buffer (a uint8 CUDA tensor: a prompt's KV exported into one device run)
-into a plain-data handle (ints, bytes, a bool: msgpack-able, no pickle), and `open_shared` opens that handle in
-another process as a tensor over the same device memory, from which decode copies device to device. It is
-torch's own route for CUDA tensors between processes (torch.multiprocessing.reductions: `_share_cuda_` on the
-storage, `_new_shared_cuda` to rebuild), taken at the storage level so nothing is pickled. tests/gpu/
-test_kv_cuda_ipc_gpu.py hands a buffer between two processes this way and checks the bytes.
+    prefill: the prompt's KV exported once into one device buffer (blocks, partial block, state: a gather on the
+             device) -> its handle (`share`) and a digest in the pull's reply (KvPeerCuda)
+    decode:  opens the handle (`open_shared`), copies the buffer device to device into its own, checks the
+             copy's digest, lets go of the peer's memory at once (`done`), and its engine imports the blocks
+             from that copy (kv_cache.DeviceBlob: one device copy a run)
 
-What is left for `--kv-peer-transport cuda-ipc` (kv_peer_transport.py lists it as planned, and runs it as auto):
-- the engine's side: an export of a run into a device buffer and an import from one (today export_run /
-  import_run take host buffers), both for Llama's paged cache and DeepSeek-V4's;
-- the protocol: a KvPeerCuda descriptor (the handle below, the device's UUID and the host's boot id) in the
-  reply beside KvPeerShm, offered by decode in `via` only when its engine is on CUDA; decode opens it, copies,
-  synchronises, drops its tensor, then says done;
-- the buffer's life on the prefill side: held by the hand-over (done, lease, cancel), as the shm region is. A
-  consumer that dies leaves nothing to unlock (the producer owns the allocation); the producer dying frees the
-  memory under the consumer, so decode checks each item's checksum after its copy, as over shm.
-Costs: device memory of the prompt's KV held on the prefill GPU for up to the lease; one device-to-device
-copy (NVLink / PCIe peer-to-peer between two GPUs; a local copy on one), no host memory touched.
+The handle is torch's own route for CUDA tensors between processes (torch.multiprocessing.reductions), taken at
+the storage level so nothing is pickled: `_share_cuda_` on the producer's storage gives plain data (ints, bytes,
+a bool), `_new_shared_cuda` opens it. torch's IPC reference counter keeps the allocation out of the producer's
+allocator while a consumer has it open, so prefill may drop its buffer (done, lease, cancel) at any time.
+
+What it costs: the prompt's KV held in prefill's GPU memory until decode's copy is in (milliseconds; at most the
+lease), and as much again in decode's for its copy until the engine has imported it. No host memory is touched;
+the shm region (or the bytes) for the store and for a decode that cannot open the handle is exported after the
+device buffer, off the hand-over's path.
+
+Integrity: decode checks the 64-bit word sum of its copy against the one prefill took (wrapping, so the order
+of the sum does not matter): a buffer freed and reused under a dead producer does not pass, and a copy that
+fails goes to the store (or recomputes), as a corrupt item over shm or NATS does.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from shared.schemas.kv_peer import CudaHandle, KvPeerCuda
 
-@dataclass(frozen=True)
-class CudaHandle:
-    """A CUDA allocation shared with another process (what `_share_cuda_` gives, as plain data)."""
+if TYPE_CHECKING:
+    from shared.engine.async_engine import AsyncEngine
 
-    device: int
-    handle: bytes  # cudaIpcMemHandle of the allocation the buffer lies in
-    size_bytes: int  # the storage's
-    offset_bytes: int  # the storage's start inside that allocation
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-    nbytes: int  # of the buffer (the storage may be larger: the caching allocator's block)
+log = logging.getLogger(__name__)
+
+ALIGN = 8  # the buffer is whole 64-bit words (the digest's unit); the items start at 0, back to back
+
+
+@lru_cache(maxsize=1)
+def boot_id() -> str:
+    """This host's kernel boot id: two processes with the same one share a host (and its GPUs' IPC)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_index(uuid: str) -> int | None:
+    """This process's index of the GPU `uuid` names (CUDA_VISIBLE_DEVICES differ between workers), None: not
+    visible here."""
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", i)) == uuid:
+            return i
+    return None
+
+
+def digest(buf: torch.Tensor) -> int:
+    """The 64-bit words of `buf` (uint8, a multiple of 8 bytes) summed modulo 2**64, as a signed int64: one
+    pass at memory speed on the device; order-free, so both sides get the same whatever the kernel's order."""
+    return int(buf.view(torch.int64).sum())
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def share(buf: torch.Tensor) -> CudaHandle:
     """A handle to `buf` (contiguous uint8 on CUDA, offset 0 in its storage); `buf` must stay alive until the
-    other process is done with it (the hand-over holds it)."""
+    other process has opened it (the hand-over holds it; torch's IPC counter holds the memory after that)."""
     assert buf.is_cuda and buf.dtype == torch.uint8 and buf.is_contiguous() and buf.storage_offset() == 0
     storage = buf.untyped_storage()
     device, handle, size, offset, ref_handle, ref_offset, event, sync = storage._share_cuda_()
@@ -52,10 +85,99 @@ def share(buf: torch.Tensor) -> CudaHandle:
                       bool(sync), buf.numel())
 
 
-def open_shared(h: CudaHandle) -> torch.Tensor:
-    """A uint8 tensor over the memory `h` names (another process's), on its device; copy out of it, then drop it."""
-    storage = torch.UntypedStorage._new_shared_cuda(h.device, h.handle, h.size_bytes, h.offset_bytes,
+def open_shared(h: CudaHandle, device: int | None = None) -> torch.Tensor:
+    """A uint8 tensor over the memory `h` names (another process's), on `device` (this process's index of that
+    GPU; default: the producer's index); copy out of it, then drop it."""
+    index = h.device if device is None else device
+    storage = torch.UntypedStorage._new_shared_cuda(index, h.handle, h.size_bytes, h.offset_bytes,
                                                     h.ref_counter_handle, h.ref_counter_offset, h.event_handle,
                                                     h.event_sync_required)
-    out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
+    out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
     return out.set_(storage, 0, (h.nbytes,), (1,))
+
+
+# --- prefill: a hand-over's device buffer ---------------------------------------------------------------------
+
+
+@dataclass
+class DeviceRegion:
+    """A hand-over's items in one device buffer: `blocks` full blocks, the partial block if `tail`, then the
+    state as one item (when there is one). Held by the hand-over; dropping it ends prefill's hold."""
+
+    buf: torch.Tensor
+    lengths: list[int]
+    blocks: int
+    tail: bool
+    descriptor: KvPeerCuda
+
+    @property
+    def state_parts(self) -> int:
+        return len(self.lengths) - self.blocks - self.tail
+
+    @classmethod
+    def of(cls, buf: torch.Tensor, lengths: list[int], blocks: int, tail: bool) -> DeviceRegion:
+        """The filled buffer (its pad zeroed), described for a pull's reply."""
+        torch.cuda.synchronize(buf.device)  # the export's copies are in before a consumer opens the handle
+        desc = KvPeerCuda(boot_id(), device_uuid(buf.device), share(buf), list(lengths), digest(buf))
+        return cls(buf, list(lengths), blocks, tail, desc)
+
+
+class CudaExporter:
+    """A prefill worker's device buffers for hand-overs (none when its engine is not on a GPU)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()  # cuda_regions, cuda_no_room (the GPU had no room for the buffer)
+
+    async def export(self, engine: AsyncEngine, request_id: str, tokens: int) -> DeviceRegion | None:
+        """A held request's KV of its first `tokens` into a new device buffer: None when the GPU has no room for
+        it (the hand-over goes through the host path alone)."""
+        layout = engine.layout
+        runs = -(-tokens // layout.block_tokens)  # full blocks and the partial one, exported full-size each
+        state = await engine.export_state(request_id)
+        lengths = [layout.block_bytes] * runs + ([len(state)] if state else [])
+        try:
+            buf = await engine.export_device(request_id, runs, state, padded(sum(lengths)))
+        except torch.OutOfMemoryError:
+            self.counts["cuda_no_room"] += 1
+            log.info("%s: no GPU memory for a device hand-over of %d MiB: the host path", request_id,
+                     sum(lengths) >> 20)
+            return None
+        self.counts["cuda_regions"] += 1
+        return DeviceRegion.of(buf, lengths, tokens // layout.block_tokens, tokens % layout.block_tokens > 0)
+
+
+# --- decode: the copy -----------------------------------------------------------------------------------------
+
+
+class CudaImporter:
+    """A decode worker's reads of peers' device buffers, into its own GPU's memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def read(self, desc: KvPeerCuda) -> torch.Tensor | None:
+        """A copy of the buffer `desc` names on this worker's GPU, its digest checked: None when the handle
+        cannot be opened here (another host, a GPU not visible, the producer gone) or the copy is not what
+        prefill described (a caller treats both as "not through CUDA IPC"; the digest one as corrupt).
+        Blocking: call it off the event loop."""
+        if desc.boot_id != boot_id() or not desc.boot_id:
+            return None
+        index = local_index(desc.uuid)
+        if index is None:
+            return None
+        try:
+            peer = open_shared(desc.handle, index)
+        except RuntimeError as exc:  # the producer is gone, or this driver refuses the handle
+            log.info("cannot open a peer's CUDA IPC handle: %s", exc)
+            return None
+        try:
+            own = torch.empty(desc.handle.nbytes, dtype=torch.uint8, device=self.device)
+            own.copy_(peer)  # one device-to-device copy (peer to peer between two GPUs)
+            torch.cuda.synchronize(self.device)
+        finally:
+            del peer  # the peer's memory is its own again (torch's IPC counter)
+        return own
+
+    @staticmethod
+    def intact(own: torch.Tensor, desc: KvPeerCuda) -> bool:
+        return own.numel() == padded(sum(desc.lengths)) and digest(own) == desc.digest

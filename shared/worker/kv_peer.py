@@ -18,7 +18,9 @@ outlives the lease but a region of the peer arena a live decode worker still rea
 On one host the items lie in a region of prefill's peer arena and a pull is answered with where they lie
 (shared/worker/kv_peer_transport.py): decode reads them from its map of the arena, its engine imports from
 there, and `done` goes when the last view of the region is gone. A pull that cannot map the region pulls the
-same items over NATS, served from the same region.
+same items over NATS, served from the same region. Between two GPU workers of one host the items lie first in
+a device buffer of prefill's (shared/worker/kv_cuda_ipc.py), exported before the host copy: a pull that offers
+`cuda-ipc` is answered with its handle as soon as it is filled, and decode copies it device to device.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+import torch
+
 from shared import subjects
 from shared.bus import Bus, BusTimeout
+from shared.engine.kv_cache import DeviceBlob
 from shared.schemas.kv_peer import KvPeerDone, KvPeerPull, KvPeerReply
+from shared.worker.kv_cuda_ipc import CudaExporter, CudaImporter, DeviceRegion
 from shared.worker.kv_peer_transport import Region, ShmExporter, ShmImporter, checked, sums
 
 log = logging.getLogger(__name__)
@@ -60,7 +66,8 @@ if (_fast := _xxh3()) is not None:
 PREFERRED = "xxh3" if "xxh3" in CHECKSUMS else "crc32"
 
 
-Item = Union[bytes, memoryview]  # a view: of prefill's peer arena (the region), or of decode's map of it
+# a view: of prefill's peer arena (the region), or of decode's map of it; or a block in decode's GPU memory
+Item = Union[bytes, memoryview, DeviceBlob]
 
 
 def checksum(item: Item, kind: str = "crc32") -> int:
@@ -80,8 +87,10 @@ class Handover:
     tail: bool = False
     state_parts: int = 0
     region: Region | None = None  # the items lie in prefill's peer arena (views of it): pulls get a descriptor
+    device: DeviceRegion | None = None  # ... and in a device buffer (CUDA IPC): pulls offering cuda-ipc get its handle
     sums: dict[str, list[int]] = field(default_factory=dict)  # the region's item checksums, by kind, once
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # items filled in
+    first: asyncio.Event = field(default_factory=asyncio.Event)  # the device buffer or the items, whichever is first
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
 
@@ -89,9 +98,11 @@ class Handover:
 class Handovers:
     """A prefill worker's hand-overs in flight, by request id, each ended by done, its lease or a cancel."""
 
-    def __init__(self, lease_s: float = LEASE_S, exporter: ShmExporter | None = None) -> None:
+    def __init__(self, lease_s: float = LEASE_S, exporter: ShmExporter | None = None,
+                 cuda: CudaExporter | None = None) -> None:
         self.lease_s = lease_s
         self.exporter = exporter  # the peer arena, where hand-overs are held on this host (None: bytes only)
+        self.cuda = cuda  # device buffers for hand-overs by CUDA IPC (None: the engine is not on a GPU)
         self._open: dict[str, Handover] = {}
         self.counts: Counter[str] = Counter()  # blocks served, and how hand-overs ended, for health
 
@@ -117,6 +128,7 @@ class Handovers:
         handover.items = [*blocks, *([tail] if tail else []), *parts]
         handover.blocks, handover.tail, handover.state_parts = len(blocks), bool(tail), len(parts)
         handover.ready.set()
+        handover.first.set()
 
     def fill_region(self, request_id: str, region: Region, blocks: int, tail: bool) -> bool:
         """The exported KV in a region of the peer arena (its items: `blocks` full blocks, the partial block if
@@ -128,6 +140,17 @@ class Handovers:
         handover.blocks, handover.tail = blocks, tail
         handover.state_parts = len(region.items) - blocks - tail
         handover.ready.set()
+        handover.first.set()
+        return True
+
+    def fill_device(self, request_id: str, region: DeviceRegion) -> bool:
+        """The exported KV in a device buffer (before the host copy: pulls that offer cuda-ipc need not wait for
+        it). False: ended already (the buffer goes with `region`)."""
+        handover = self._open.get(request_id)
+        if handover is None:
+            return False
+        handover.device = region
+        handover.first.set()
         return True
 
     def end(self, request_id: str, why: str) -> None:
@@ -136,8 +159,9 @@ class Handovers:
             return
         if handover.timer is not None:
             handover.timer.cancel()
-        handover.items, handover.region = [], None  # the bytes go now, whoever still holds the object
+        handover.items, handover.region, handover.device = [], None, None  # the bytes go now, whoever holds it
         handover.ready.set()  # a pull waiting for the export answers "not found"
+        handover.first.set()
         handover.ended.set()
         self.counts[f"ended_{why}"] += 1
 
@@ -146,15 +170,21 @@ class Handovers:
         handover = self._open.get(pull.request_id)
         if handover is None:
             return KvPeerReply(found=False)
-        if not handover.ready.is_set():
-            await handover.ready.wait()  # bounded: the lease ends it (end() sets ready)
-        if self._open.get(pull.request_id) is not handover:
-            return KvPeerReply(found=False)
-        expected = handover.keys[pull.start : pull.start + len(pull.keys)]
-        if list(pull.keys) != expected or pull.start > len(handover.items):
+        if list(pull.keys) != handover.keys[pull.start : pull.start + len(pull.keys)]:
             self.counts["refused"] += 1
             return KvPeerReply(found=False)
         kind = pull.checksum if pull.checksum in CHECKSUMS else "crc32"
+        if "cuda-ipc" in pull.via and self.cuda is not None:
+            await handover.first.wait()  # bounded: the lease ends it (end() sets it)
+            device = handover.device
+            if self._open.get(pull.request_id) is handover and device is not None:
+                self.counts["blocks_served_cuda"] += max(0, device.blocks - pull.start)
+                return KvPeerReply(True, [], [], device.blocks, device.tail, device.state_parts, kind,
+                                   cuda=device.descriptor)
+        if not handover.ready.is_set():
+            await handover.ready.wait()  # bounded: the lease ends it (end() sets ready)
+        if self._open.get(pull.request_id) is not handover or pull.start > len(handover.items):
+            return KvPeerReply(found=False)
         if handover.region is not None and self.exporter is not None and "shm" in pull.via:
             return await self._describe(handover, pull.start, kind)
         items = pick(handover.items, pull.start, pull.max_bytes, pull.count)
@@ -209,7 +239,7 @@ class PeerPuller:
 
     def __init__(self, bus: Bus, block_bytes: int, *, message_bytes: int, window: int = 2,
                  first_timeout: float = FIRST_PULL_TIMEOUT_S, timeout: float = PULL_TIMEOUT_S,
-                 via: Sequence[str] = ()) -> None:
+                 via: Sequence[str] = (), device: str = "cpu") -> None:
         self._bus = bus
         self._block_bytes = block_bytes
         self._message_bytes = message_bytes
@@ -219,10 +249,13 @@ class PeerPuller:
         self._slots = asyncio.Semaphore(self._window)
         self._first_timeout = first_timeout
         self._timeout = timeout
-        self.via = list(via)
+        # cuda-ipc only where this worker's KV lies on a GPU (`device`): it copies into that GPU's memory
+        self.via = [v for v in via if v != "cuda-ipc" or device.startswith("cuda")]
         self._importer = ShmImporter() if "shm" in self.via else None
-        # peer_blocks (peer_blocks_shm of them through shared memory), peer_failed, peer_corrupt, shm_refused
-        # (a descriptor this worker could not map: pulled over NATS), shm_released: for health
+        self._cuda = CudaImporter(torch.device(device)) if "cuda-ipc" in self.via else None
+        # peer_blocks (peer_blocks_shm of them through shared memory, peer_blocks_cuda by CUDA IPC), peer_failed,
+        # peer_corrupt, shm_refused / cuda_refused (a descriptor this worker could not open: pulled another way),
+        # shm_released: for health
         self.counts: Counter[str] = Counter()
 
     async def pull(self, worker: str, request_id: str, keys: Sequence[bytes], start: int,
@@ -254,6 +287,16 @@ class PeerPuller:
         if first is None:
             self.counts["peer_failed"] += 1
             return Pulled([], None)
+        if first.cuda is not None:
+            got = await self._read_cuda(first, start)
+            if got is not None:
+                return got
+            via = [v for v in self.via if v != "cuda-ipc"]  # the same hand-over through the host: shm, or NATS
+            first = await self._ask(worker, request_id, keys, start, 0 if via else 1, self._first_timeout,
+                                    slot=False, via=via)
+            if first is None:
+                self.counts["peer_failed"] += 1
+                return Pulled([], None)
         if first.shm is not None:
             read = await self._read_shm(worker, request_id, first, start)
             if read is not None:
@@ -317,6 +360,36 @@ class PeerPuller:
         self.counts["peer_blocks"] += len(run)
         self.counts["peer_blocks_shm"] += len(run)
         return Pulled(run, (tail, state), held=bool(run) or bool(reply.tail))
+
+    async def _read_cuda(self, reply: KvPeerReply, start: int) -> Pulled | None:
+        """The hand-over copied from the peer's GPU memory into this worker's: blocks [start, ...) as views of
+        the copy, the state as bytes. None: the handle cannot be opened here (ask through the host); a failed
+        pull (the store takes over) when the copy is not what prefill described."""
+        assert reply.cuda is not None and self._cuda is not None
+        desc = reply.cuda
+        whole = reply.blocks + reply.tail + reply.state_parts
+        if len(desc.lengths) != whole or any(n != self._block_bytes for n in desc.lengths[: reply.blocks + reply.tail]):
+            self.counts["peer_corrupt"] += 1
+            return Pulled([], None)
+        own = await asyncio.to_thread(self._cuda.read, desc)
+        if own is None:
+            self.counts["cuda_refused"] += 1
+            return None
+        if not await asyncio.to_thread(self._cuda.intact, own, desc):
+            log.warning("a hand-over copied from a peer GPU is not what it described: the store takes over")
+            self.counts["peer_corrupt"] += 1
+            self.counts["peer_failed"] += 1
+            return Pulled([], None)
+        offsets = [sum(desc.lengths[:i]) for i in range(whole + 1)]
+        run: list[Item] = [DeviceBlob(own, offsets[i], desc.lengths[i]) for i in range(start, reply.blocks)]
+        tail: Item = DeviceBlob(own, offsets[reply.blocks], self._block_bytes) if reply.tail else b""
+        state = b""
+        if reply.state_parts:
+            lo = offsets[reply.blocks + reply.tail]
+            state = await asyncio.to_thread(lambda: own[lo : offsets[whole]].cpu().numpy().tobytes())
+        self.counts["peer_blocks"] += len(run)
+        self.counts["peer_blocks_cuda"] += len(run)
+        return Pulled(run, (tail, state))
 
     def _released(self, loop: asyncio.AbstractEventLoop, worker: str, request_id: str) -> None:
         """The last view of a hand-over's region is gone (on any thread): tell the peer."""

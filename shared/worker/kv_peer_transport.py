@@ -6,12 +6,14 @@ can, the bytes themselves where it cannot (shared/worker/kv_peer.py is the proto
               the pull's reply is a KvPeerShm descriptor; decode maps the arena, takes a read lock on the region,
               checks each item's checksum and the engine imports straight from views of the map (one copy);
               the region is the prefill worker's again once decode's views are gone (its lock released)
-    auto      what both sides can do, best first: cuda-ipc when both engines are on CUDA (not yet: see below),
-              shm when decode can map prefill's arena, else nats. Chosen per pull, never an error.
-    cuda-ipc  (not built yet: the place for it) prefill exports the run into one device buffer and shares it by
-              CUDA IPC handle (torch.multiprocessing.reductions.reduce_tensor / rebuild_cuda_tensor); decode
-              copies device to device. An RDMA library (NIXL, Mooncake's transfer engine) is one more entry the
-              same way: an exporter that fills a region and describes it, an importer that opens a descriptor.
+    auto      what both sides can do, best first: cuda-ipc when both engines are on CUDA, shm when decode can
+              map prefill's arena, else nats. Chosen per pull, never an error.
+    cuda-ipc  the same as auto (cuda-ipc first, the host paths behind it): prefill exports the run into one
+              device buffer first and shares it by CUDA IPC handle (shared/worker/kv_cuda_ipc.py); decode copies
+              it device to device. The shm region (or the bytes) follows for the store and for a decode that
+              cannot open the handle.
+    An RDMA library (NIXL, Mooncake's transfer engine) is one more entry the same way: an exporter that fills a
+    region and describes it, an importer that opens a descriptor.
 
 The region's life, on the prefill side (`ShmExporter`):
 
@@ -66,6 +68,7 @@ class PeerTransport:
 
     exporter: Callable[[str, int], ShmExporter] | None
     reads: tuple[str, ...]
+    device: bool = False  # prefill also hands over from a device buffer by CUDA IPC, where its engine is on a GPU
 
 
 def _shm_exporter(instance: str, arena_bytes: int) -> ShmExporter:
@@ -75,17 +78,13 @@ def _shm_exporter(instance: str, arena_bytes: int) -> ShmExporter:
 PEER_TRANSPORTS: dict[str, PeerTransport] = {
     "nats": PeerTransport(None, ()),
     "shm": PeerTransport(_shm_exporter, ("shm",)),
-    # cuda-ipc joins `auto`'s list (before shm) once it exists; until then auto is shm-else-nats. An RDMA
-    # library is an entry of its own, its exporter registering the region with the library.
-    "auto": PeerTransport(_shm_exporter, ("shm",)),
+    # an RDMA library is an entry of its own, its exporter registering the region with the library
+    "auto": PeerTransport(_shm_exporter, ("cuda-ipc", "shm"), device=True),
+    "cuda-ipc": PeerTransport(_shm_exporter, ("cuda-ipc", "shm"), device=True),
 }
-PLANNED = ("cuda-ipc",)  # accepted names that are not built yet: they run as `auto` (with a warning)
 
 
 def peer_transport(name: str) -> PeerTransport:
-    if name in PLANNED:
-        log.warning("--kv-peer-transport %s is not built yet: using auto (shm on one host, else nats)", name)
-        return PEER_TRANSPORTS["auto"]
     return PEER_TRANSPORTS[name]
 
 

@@ -58,3 +58,75 @@ def test_a_device_buffer_crosses_processes_by_handle_and_copies_device_to_device
     finally:
         producer.kill()
         producer.wait()
+
+
+HANDOVER_PRODUCER = """
+import asyncio, sys, torch
+from shared import subjects
+from shared.bus import Bus
+from shared.schemas.kv_peer import KvPeerDone, KvPeerPull
+from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion
+from shared.worker.kv_peer import Handovers
+sys.path.insert(0, "tests/gpu")
+from test_kv_cuda_ipc_gpu import KEYS, llama_cache
+
+async def main():
+    src = llama_cache(seed=5)
+    handovers = Handovers(cuda=CudaExporter())
+    bus = await Bus.connect(sys.argv[1], "gpu-prefill")
+    await bus.serve(subjects.kv_peer("gpu-prefill"), KvPeerPull, handovers.serve)
+    async def on_done(done, _):
+        handovers.end(done.request_id, "done")
+    await bus.subscribe(subjects.kv_peer_done("gpu-prefill"), KvPeerDone, on_done)
+    handovers.open("r", KEYS)
+    buf = torch.empty(len(KEYS) * src.block_bytes, dtype=torch.uint8, device="cuda")
+    src.export_run(list(range(len(KEYS))), buf)
+    handovers.fill_device("r", DeviceRegion.of(buf, [src.block_bytes] * len(KEYS), len(KEYS), False))
+    del buf  # the hand-over holds it now
+    print("ready", flush=True)
+    while handovers.counts["ended_done"] == 0:
+        await asyncio.sleep(0.05)
+    print("ended", dict(handovers.counts), flush=True)
+    await bus.drain()
+
+asyncio.run(main())
+"""
+
+KEYS = [b"key%d" % i for i in range(24)]
+
+
+def llama_cache(seed: int):  # noqa: ANN201 - a KVCache, imported lazily by the producer too
+    from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec
+
+    spec = CacheSpec(PagedSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16, dtype=torch.bfloat16), 0)
+    kv = KVCache(spec, len(KEYS), torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv.kv.copy_(torch.randn(kv.kv.shape, generator=g, device="cuda"))
+    return kv
+
+
+async def test_a_hand_over_by_cuda_ipc_lands_the_producers_blocks_and_ends_it(tmp_path: Path) -> None:
+    from shared.bus import Bus
+    from shared.launch import natsserver
+    from shared.worker.kv_peer import PeerPuller
+
+    server = natsserver.start(tmp_path / "nats")
+    producer = subprocess.Popen([sys.executable, "-c", HANDOVER_PRODUCER, server.url], stdout=subprocess.PIPE,
+                                text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert producer.stdout is not None and producer.stdout.readline().strip() == "ready"
+        bus = await Bus.connect(server.url, "gpu-decode")
+        dst = llama_cache(seed=9)
+        puller = PeerPuller(bus, dst.block_bytes, message_bytes=4 << 20, via=["cuda-ipc", "shm"], device="cuda")
+        pulled = await puller.pull("gpu-prefill", "r", KEYS, 2)  # decode holds blocks 0 and 1 itself
+        assert puller.counts["peer_blocks_cuda"] == len(KEYS) - 2 and pulled.snapshot is not None
+        dst.write_blocks(list(range(2, len(KEYS))), pulled.blocks)
+        want = llama_cache(seed=5)
+        assert torch.equal(dst.kv[:, :, 2:], want.kv[:, :, 2:])
+        assert not torch.equal(dst.kv[:, :, :2], want.kv[:, :, :2])  # not pulled: decode's own
+        assert producer.stdout.readline().startswith("ended")  # decode said done once its copy was in
+        await bus.drain()
+    finally:
+        producer.kill()
+        producer.wait()
+        server.stop()

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.engine.kv_cache import Blob, HostBuffer, check_blobs, host_bytes, runs_of, split_blobs, to_device
+from shared.engine.kv_cache import (Blob, HostBuffer, check_blobs, device_run, host_bytes, runs_of, split_blobs,
+                                    to_device)
 from shared.engine.models.deepseek_v4.spec import CSA, DeepseekV4Spec
 
 HEADER = 24  # length, begin, mtp_length as int64
@@ -184,10 +185,13 @@ class V4Cache:
     # one caller-given buffer with one copy each way (kv_cache.KVCache.export_run has the contract).
 
     def export_run(self, blocks: list[int], out: HostBuffer) -> None:
-        dst = host_bytes(out, len(blocks) * self.block_bytes).reshape(len(blocks), -1)  # (n, block_bytes)
+        on_device = device_run(out, len(blocks) * self.block_bytes)
+        if on_device is None:
+            dst = host_bytes(out, len(blocks) * self.block_bytes).reshape(len(blocks), -1)  # (n, block_bytes)
         if not blocks:
             return
         if self.device.type == "cpu":
+            assert on_device is None, "a CPU cache exports into host memory"
             at = 0
             for t in self._paged:  # each tensor's rows of the run, gathered straight into their columns
                 rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()  # (N, row bytes)
@@ -197,20 +201,28 @@ class V4Cache:
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         parts = [t.index_select(0, index).flatten(1) for t in self._paged]  # each (n, elems), on the device
         data = torch.cat(parts, dim=1).view(torch.uint8)  # (n, block_bytes)
-        torch.from_numpy(dst).copy_(data)  # one device->host copy
+        if on_device is not None:  # a peer GPU's hand-over (CUDA IPC): no host copy
+            on_device.view(len(blocks), -1).copy_(data)
+        else:
+            torch.from_numpy(dst).copy_(data)  # one device->host copy
 
     def import_run(self, blocks: list[int], src: HostBuffer) -> None:
-        data = host_bytes(src, len(blocks) * self.block_bytes).reshape(len(blocks), -1)
+        on_device = device_run(src, len(blocks) * self.block_bytes)
+        if on_device is None:
+            data = host_bytes(src, len(blocks) * self.block_bytes).reshape(len(blocks), -1)
         if not blocks:
             return
         if self.device.type == "cpu":
+            assert on_device is None, "a CPU cache imports from host memory"
             at = 0
             for t in self._paged:
                 rows = t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
                 rows[blocks] = data[:, at : at + rows.shape[1]]
                 at += rows.shape[1]
             return
-        run = to_device(data, self.device).view(self.dtype).view(len(blocks), -1)  # one host->device copy
+        # one host->device copy, or a device copy of a peer GPU's run
+        raw = on_device.to(self.device) if on_device is not None else to_device(data, self.device)
+        run = raw.view(self.dtype).view(len(blocks), -1)
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         at = 0
         for t in self._paged:
