@@ -445,7 +445,7 @@ class PeerPuller:
     def intact(self, reply: KvPeerReply, start: int) -> bool:
         """Every item has its checksum, blocks (and the partial block) their size, and the reply is not empty
         but at the end."""
-        if reply.shm is not None:  # a descriptor: its items are checked where they lie (_read_shm)
+        if reply.shm is not None or reply.cuda is not None:  # a descriptor: checked where the items lie (_read_*)
             return True
         if len(reply.items) != len(reply.checksums) or reply.checksum not in CHECKSUMS:
             return False

@@ -111,8 +111,9 @@ async def test_a_hand_over_by_cuda_ipc_lands_the_producers_blocks_and_ends_it(tm
     from shared.worker.kv_peer import PeerPuller
 
     server = natsserver.start(tmp_path / "nats")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     producer = subprocess.Popen([sys.executable, "-c", HANDOVER_PRODUCER, server.url], stdout=subprocess.PIPE,
-                                text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
     try:
         assert producer.stdout is not None and producer.stdout.readline().strip() == "ready"
         bus = await Bus.connect(server.url, "gpu-decode")

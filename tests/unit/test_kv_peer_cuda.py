@@ -10,7 +10,8 @@ import os
 import torch
 
 from shared.engine.kv_cache import CacheSpec, DeviceBlob, KVCache, PagedSpec, runs_of
-from shared.schemas.kv_peer import CudaHandle, KvPeerCuda, KvPeerPull
+from shared.codec import decode, encode
+from shared.schemas.kv_peer import CudaHandle, KvPeerCuda, KvPeerPull, KvPeerReply
 from shared.worker.kv_cuda_ipc import DeviceRegion, digest, padded
 from shared.worker.kv_peer import Handovers, PeerPuller
 
@@ -76,6 +77,14 @@ async def test_a_cuda_pull_of_a_hand_over_with_no_device_buffer_gets_the_host_it
     handovers.fill("r", [b"y" * 16], b"", b"", part_bytes=4)  # the GPU had no room: the host path alone
     got = await handovers.serve(KvPeerPull("r", 0, [b"a"], 1 << 20, via=["cuda-ipc"]))
     assert got.found and got.cuda is None and got.items == [b"y" * 16]
+
+
+def test_a_cuda_reply_crosses_the_codec_whole_and_the_puller_takes_it_as_a_descriptor() -> None:
+    reply = KvPeerReply(True, [], [], 3, False, 1, "xxh3", cuda=region(3, b"state!").descriptor)
+    back = decode(KvPeerReply, encode(reply))
+    assert back == reply and isinstance(back.cuda.handle, CudaHandle)
+    puller = PeerPuller(None, 16, message_bytes=1 << 20)  # type: ignore[arg-type]
+    assert puller.intact(back, 0)  # no items: they lie in the peer's GPU memory (checked by digest after the copy)
 
 
 def test_a_worker_whose_kv_is_on_the_cpu_never_offers_cuda_ipc() -> None:
