@@ -89,10 +89,14 @@ def open_shared(h: CudaHandle, device: int | None = None) -> torch.Tensor:
     """A uint8 tensor over the memory `h` names (another process's), on `device` (this process's index of that
     GPU; default: the producer's index); copy out of it, then drop it."""
     index = h.device if device is None else device
-    storage = torch.UntypedStorage._new_shared_cuda(index, h.handle, h.size_bytes, h.offset_bytes,
-                                                    h.ref_counter_handle, h.ref_counter_offset, h.event_handle,
-                                                    h.event_sync_required)
-    out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+    # torch's rebuild assumes a CUDA context current on this thread: in a fresh process (or a thread that has not
+    # touched the GPU yet) opening the handle without one crashed the process (a segfault, seen on the H200)
+    torch.cuda.init()
+    with torch.cuda.device(index):
+        storage = torch.UntypedStorage._new_shared_cuda(index, h.handle, h.size_bytes, h.offset_bytes,
+                                                        h.ref_counter_handle, h.ref_counter_offset, h.event_handle,
+                                                        h.event_sync_required)
+        out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
     return out.set_(storage, 0, (h.nbytes,), (1,))
 
 
