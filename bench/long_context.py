@@ -89,6 +89,8 @@ def build_flash(root: Path, layers: int, experts: int, context: int) -> Path:
                 buf.copy_(torch.stack([torch.randperm(experts, device=device)[:k] for _ in range(buf.shape[0])]))
     model.save_pretrained(path, max_shard_size="4GB")
     del model
+    if device == "cuda":  # the workers size their KV pools from what is free: give back what building took
+        torch.cuda.empty_cache()
     return path
 
 
