@@ -91,7 +91,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         ("--speculative-method", args.speculative_method if args.speculative_tokens else None),
                         ("--speculative-policy", args.speculative_policy if args.speculative_tokens else None),
                         ("--kv-blocks", args.kv_blocks), ("--kv-arena-mib", args.kv_arena_mib),
-                        ("--gpu-memory-utilization", cli_up.worker_share(args))):
+                        ("--gpu-memory-utilization", cli_up.worker_share(args)),
+                        ("--quantization", args.quantization if args.quantization != "auto" else None)):
         worker += [flag, str(value)] if value is not None else []
     worker += ["--enforce-eager"] if args.enforce_eager else []
     gateway = capped + ["--host", args.host, "--port", str(args.port),

@@ -112,7 +112,8 @@ def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device,
     def lin(name: str, row_groups: int = 1) -> Weight:
         """A linear: FP8 kept when quantized (and each of row_groups slices is whole blocks), else dense."""
         t = got(name)
-        if quantized and isinstance(t, Fp8Weight) and (t.shape[0] // row_groups) % t.block[0] == 0:
+        whole = row_groups == 1 or (t.shape[0] // row_groups) % t.block[0] == 0 if isinstance(t, Fp8Weight) else False
+        if quantized and whole:
             return t.to(device)
         return w(name)
 
