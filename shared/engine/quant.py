@@ -159,7 +159,8 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """(..., cols / 2) bytes -> (..., cols) float32; the low nibble is the even column."""
-    return _E2M1_PAIRS[packed.view(torch.uint8).long()].flatten(-2)  # (..., cols / 2, 2) -> (..., cols)
+    pairs = _E2M1_PAIRS.to(packed.device)
+    return pairs[packed.view(torch.uint8).long()].flatten(-2)  # (..., cols / 2, 2) -> (..., cols)
 
 
 def _scale_blocks(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
