@@ -109,6 +109,8 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, act: str = "none", cfg: Config | Non
     bn, bk = w.block
     assert w.data.dim() == 2 and w.shape[1] == K, f"x {tuple(x.shape)} does not fit weight {tuple(w.shape)}"
     assert act in ("none", "fp8")
+    if M == 0:
+        return x.new_empty(0, N)
     cfg = cfg or config(M, N, K, w.block, x.device)
     assert bk % cfg.block_k == 0, "a K tile must sit inside one scale block"
     x = x if x.stride(-1) == 1 else x.contiguous()
