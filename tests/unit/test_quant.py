@@ -164,3 +164,13 @@ def test_engine_reports_its_memory(hub: tuple[Path, dict[str, torch.Tensor]]) ->
     assert report.state_bytes == 2 * engine.max_running * engine.spec.per_request_state_bytes > 0
     with pytest.raises(ValueError, match="quantization"):
         Engine(str(hub[0]), kv_blocks=6, quantization="int4")
+
+
+def test_quantization_flag_names_agree_and_bad_ones_are_refused() -> None:
+    from shared.engine.engine import QUANTIZATIONS
+    from shared.worker import config as worker
+
+    assert worker.QUANTIZATIONS == QUANTIZATIONS  # the worker's flag is checked without importing the engine
+    assert worker.WorkerConfig(device="cpu").quantization == "auto"
+    with pytest.raises(ValueError, match="--quantization"):
+        worker.WorkerConfig(device="cpu", quantization="fp4")
