@@ -46,9 +46,10 @@ def _programs_wanted(device: torch.device) -> int:
     return 2 * sms
 
 
-def config(M: int, N: int, K: int, block: tuple[int, int], device: torch.device) -> Config:
+def config(M: int, N: int, K: int, block: tuple[int, int], device: torch.device, act: str = "none") -> Config:
+    """act="fp8" always takes prefill's tiles: FP8 dots want 64-row tiles (Hopper's warp-group MMA)."""
     block_k = min(128, block[1])
-    if M <= DECODE_ROWS:
+    if M <= DECODE_ROWS and act == "none":
         block_m = 16 if M <= 16 else 32 if M <= 32 else 64
         block_n = 64
         tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
@@ -111,7 +112,7 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, act: str = "none", cfg: Config | Non
     assert act in ("none", "fp8")
     if M == 0:
         return x.new_empty(0, N)
-    cfg = cfg or config(M, N, K, w.block, x.device)
+    cfg = cfg or config(M, N, K, w.block, x.device, act)
     assert bk % cfg.block_k == 0, "a K tile must sit inside one scale block"
     x = x if x.stride(-1) == 1 else x.contiguous()
     k_tiles = triton.cdiv(K, cfg.block_k)
