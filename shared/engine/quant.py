@@ -48,12 +48,6 @@ class Fp8Weight:
         """One matrix of a stack (..., N, K)."""
         return Fp8Weight(self.data[i], self.scale[i], self.block)
 
-    def rows(self, start: int, stop: int) -> Fp8Weight:
-        """Rows [start, stop) of a 2-D weight; both on block edges (wo_a's groups: 1024 rows of 128-row blocks)."""
-        bn = self.block[0]
-        assert start % bn == 0 and (stop % bn == 0 or stop == self.data.shape[0])
-        return Fp8Weight(self.data[start:stop], self.scale[start // bn : -(-stop // bn)], self.block)
-
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return _scale_blocks(self.data.float(), self.scale.float()).to(dtype)
 
@@ -147,14 +141,19 @@ def as_dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype) if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
 
-def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x (..., K) @ W^T -> (..., N) in x's dtype, for a plain or an FP8 weight (FP4 is the fused MoE's alone)."""
+def linear(x: torch.Tensor, w: Weight, groups: int = 1) -> torch.Tensor:
+    """x (..., groups K) @ W^T -> (..., N) in x's dtype, for a plain or an FP8 weight (FP4 is the fused MoE's
+    alone). groups > 1: W (N, K) is `groups` stacked blocks of N / groups rows, block g applied to x's g-th K
+    columns (V4's wo_a): (..., G, K) x (G, N / G, K) -> (..., G N / G)."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w)
+        if groups == 1:
+            return F.linear(x, w)
+        per_group = x.unflatten(-1, (groups, -1)).unsqueeze(-2)  # (..., G, 1, K)
+        return (per_group @ w.view(groups, -1, w.shape[-1]).mT).squeeze(-2).flatten(-2)  # (..., G N / G)
     assert isinstance(w, Fp8Weight) and HAVE_TRITON, f"no linear for {type(w).__name__}"
     from shared.engine.kernels.fp8_gemm import fp8_linear
 
-    return fp8_linear(x, w)
+    return fp8_linear(x, w, groups)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:

@@ -71,12 +71,18 @@ def test_quantize_helpers_round_trip_representable_weights() -> None:
     assert bool((err <= 2**-4 * w.abs() + 2**-9 * w.abs().max()).all())  # e4m3: 3 mantissa bits, subnormals
 
 
-def test_rows_of_an_fp8_weight_are_its_groups() -> None:
+def test_stacked_fp8_weights_index_per_matrix() -> None:
     w = quant.quantize_fp8(torch.randn(128, 64), block=32)
-    part = w.rows(64, 128)
-    assert torch.equal(part.dequantize(), w.dequantize()[64:128])
     stacked = Fp8Weight(torch.stack([w.data, w.data]), torch.stack([w.scale, w.scale]), w.block)
     assert torch.equal(stacked[1].dequantize(), w.dequantize())
+
+
+def test_grouped_linear_of_a_dense_weight_is_the_per_group_product() -> None:
+    """linear(x, W, groups): block g of W's rows times x's g-th slice of columns (V4's wo_a)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 3 * 8, generator=g), torch.randn(3 * 4, 8, generator=g)
+    want = torch.cat([x[:, 8 * i : 8 * (i + 1)] @ w[4 * i : 4 * (i + 1)].T for i in range(3)], dim=1)
+    torch.testing.assert_close(quant.linear(x, w, groups=3), want)
 
 
 # ---- a hub checkpoint kept quantized ------------------------------------------------------------------------

@@ -82,6 +82,18 @@ def test_fp8_gemm_fp8_activations_on_representable_rows() -> None:
     torch.testing.assert_close(got, x @ w.dequantize(torch.float32).T, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("M", [2, 70])
+def test_fp8_gemm_grouped_is_the_per_group_product(M: int) -> None:
+    """wo_a: 4 groups of 64 rows, group g reading x's g-th 48 columns, in one launch."""
+    w = _fp8(4 * 64, 48, 32, seed=11)
+    x = torch.randn(M, 4 * 48, generator=torch.Generator().manual_seed(12))
+    dense = w.dequantize(torch.float32)
+    want = torch.cat([x[:, 48 * g : 48 * (g + 1)] @ dense[64 * g : 64 * (g + 1)].T for g in range(4)], dim=1)
+    got = fp8_gemm(x, w, groups=4, cfg=Config(16, 64, 32, 2, 4, 1) if M < 64 else Config(64, 32, 32, 1, 4, 1))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(x, w, groups=4), linear(x, dense, groups=4), atol=1e-4, rtol=1e-5)
+
+
 def test_linear_dispatches_by_weight_kind() -> None:
     w = _fp8(48, 64, 32, seed=9)
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(10))
@@ -130,7 +142,8 @@ def test_fused_moe_fp4_equals_dequantized(T: int, with_shared: bool, cfg: MoeCon
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("v4-quant")
-    model = v4_checkpoints.build(root / "hf", "mixed")
+    # o_lora_rank 32: each of wo_a's 2 groups is one whole 32-row scale block, so it stays FP8 (grouped GEMM)
+    model = v4_checkpoints.build(root / "hf", "mixed", o_lora_rank=32)
     v4_checkpoints.save_hub_dialect(model, root / "hub", quantize=True)
     return root / "hub"
 
@@ -182,6 +195,7 @@ def test_quantized_model_matches_dequantized(hub: Path, monkeypatch: pytest.Monk
     model.weights = v4_weights.load(config.spec, kept, torch.device("cpu"), torch.float32, quantized=True)
     model.layers, model.mtp = model.weights.layers, model.weights.mtp
     assert isinstance(model.layers[0].wq_b, Fp8Weight) and isinstance(model.weights.head, Fp8Weight)
+    assert isinstance(model.layers[0].wo_a, Fp8Weight)
     calls = []
 
     def fused(s, layer, x, input_ids, triton=False):

@@ -68,7 +68,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_s, k_per_split,
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_s, k_per_split, group_n,
     SN: tl.constexpr, SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT_FP8: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -77,7 +77,8 @@ def _fp8_gemm_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = m < M, n < N
     kk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    # grouped (wo_a): output columns [g group_n, (g + 1) group_n) read x's columns [g K, (g + 1) K)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm + (pid_n * BLOCK_N // group_n) * K
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     s_rows = s_ptr + (n // SN) * stride_s  # (BLOCK_N,) each row's scale row
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -103,17 +104,25 @@ def _fp8_gemm_kernel(
     tl.store(out + m.to(tl.int64)[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def fp8_gemm(x: torch.Tensor, w: Fp8Weight, act: str = "none", cfg: Config | None = None) -> torch.Tensor:
-    """x (M, K) float, w (N, K) FP8 -> (M, N) in x's dtype. act: "none" (weight-only) or "fp8" (per-token)."""
-    M, K = x.shape
-    N = w.shape[0]
+def fp8_gemm(x: torch.Tensor, w: Fp8Weight, act: str = "none", cfg: Config | None = None, groups: int = 1
+             ) -> torch.Tensor:
+    """x (M, groups K) float, w (N, K) FP8 -> (M, N) in x's dtype. act: "none" (weight-only) or "fp8"
+    (per-token). groups > 1 (V4's grouped output projection wo_a): output columns [g N / G, (g + 1) N / G) are
+    group g's rows of w times x's columns [g K, (g + 1) K), in one launch."""
+    M, KG = x.shape
+    N, K = w.shape
     bn, bk = w.block
-    assert w.data.dim() == 2 and w.shape[1] == K, f"x {tuple(x.shape)} does not fit weight {tuple(w.shape)}"
-    assert act in ("none", "fp8")
+    assert w.data.dim() == 2 and KG == groups * K, f"x {tuple(x.shape)} does not fit weight {tuple(w.shape)}"
+    assert act in ("none", "fp8") and N % groups == 0
     if M == 0:
         return x.new_empty(0, N)
-    cfg = cfg or config(M, N, K, w.block, x.device, act)
+    group_n = N // groups
+    if cfg is None:
+        cfg = config(M, N, K, w.block, x.device, act)
+        if groups > 1:  # N tiles inside one group: at most the largest power of two dividing its rows
+            cfg = cfg._replace(block_n=min(cfg.block_n, group_n & -group_n))
     assert bk % cfg.block_k == 0, "a K tile must sit inside one scale block"
+    assert groups == 1 or group_n % cfg.block_n == 0, "an N tile must sit inside one group"
     x = x if x.stride(-1) == 1 else x.contiguous()
     k_tiles = triton.cdiv(K, cfg.block_k)
     k_per_split = triton.cdiv(k_tiles, cfg.split) * cfg.block_k
@@ -125,7 +134,7 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, act: str = "none", cfg: Config | Non
     scale = w.scale.contiguous()
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
     _fp8_gemm_kernel[grid](
-        x, w.data, scale, y, M, N, K, x.stride(0), N, scale.stride(0), k_per_split,
+        x, w.data, scale, y, M, N, K, x.stride(0), N, scale.stride(0), k_per_split, group_n,
         SN=bn, SK=bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ACT_FP8=act == "fp8", SPLIT=split > 1, PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -136,8 +145,8 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight, act: str = "none", cfg: Config | Non
 PREFILL_ACT = "none"  # prefill M: "none" or "fp8"; bench/v4_model.py --quantized times both on the H200
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x (..., K) -> (..., N): weight-only at decode M, PREFILL_ACT beyond."""
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, groups: int = 1) -> torch.Tensor:
+    """x (..., groups K) -> (..., N): weight-only at decode M, PREFILL_ACT beyond (groups: fp8_gemm)."""
     rows = x.reshape(-1, x.shape[-1])
     act = "none" if rows.shape[0] <= DECODE_ROWS else PREFILL_ACT
-    return fp8_gemm(rows, w, act).view(*x.shape[:-1], w.shape[0])
+    return fp8_gemm(rows, w, act, groups=groups).view(*x.shape[:-1], w.shape[0])

@@ -211,10 +211,9 @@ def output(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: Weight
     position), then per group of heads wo_a, then wo_b over the groups."""
     out = rotate(out, cos, -sin)
     T, H, d = out.shape
-    per_group = out.reshape(T, groups, -1).transpose(0, 1)  # (G, T, H d / G)
     if isinstance(wo_a, torch.Tensor):
-        grouped = torch.bmm(per_group, wo_a.view(groups, -1, d * H // groups).transpose(1, 2))  # (G, T, o_lora_rank)
-    else:  # FP8: one GEMM per group over its rows (whole scale blocks: weights.py keeps it FP8 only then)
-        rank = wo_a.shape[0] // groups
-        grouped = torch.stack([linear(per_group[g], wo_a.rows(g * rank, (g + 1) * rank)) for g in range(groups)])
-    return linear(grouped.transpose(0, 1).reshape(T, -1), wo_b)
+        grouped = torch.bmm(out.reshape(T, groups, -1).transpose(0, 1), wo_a.view(groups, -1, d * H // groups)
+                            .transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # (G, T, o_lora_rank) -> (T, G rank)
+    else:  # FP8: one grouped GEMM launch (each group's rows whole scale blocks: weights.py keeps it FP8 only then)
+        grouped = linear(out.reshape(T, -1), wo_a, groups)  # (T, G o_lora_rank)
+    return linear(grouped, wo_b)

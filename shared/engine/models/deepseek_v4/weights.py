@@ -112,10 +112,10 @@ def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device,
     def lin(name: str, row_groups: int = 1) -> Weight:
         """A linear: FP8 kept when quantized (and each of row_groups slices is whole blocks), else dense."""
         t = got(name)
-        whole = row_groups == 1 or (t.shape[0] // row_groups) % t.block[0] == 0 if isinstance(t, Fp8Weight) else False
-        if quantized and whole:
-            return t.to(device)
-        return w(name)
+        kept = quantized and isinstance(t, Fp8Weight)
+        if kept and row_groups > 1:  # wo_a: attention.output slices it per group, on block edges
+            kept = (t.shape[0] // row_groups) % t.block[0] == 0
+        return t.to(device) if kept else w(name)
 
     def hc(p: str) -> HcParams:
         return f32(p + "_fn"), f32(p + "_base"), f32(p + "_scale")
