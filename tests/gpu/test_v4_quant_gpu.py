@@ -60,6 +60,20 @@ def test_fp8_gemm_flash_shapes(N: int, K: int, M: int) -> None:
     torch.testing.assert_close(act, emulated, atol=0.01 * float(emulated.abs().max()), rtol=0.01)
 
 
+@pytest.mark.parametrize("M", [1, 32, 4096])
+def test_fp8_gemm_grouped_wo_a(M: int) -> None:
+    """V4-Flash's wo_a: 8 groups of 1024 rows, each over its group's 4096 of the 32768 head channels."""
+    from shared.engine.kernels.fp8_gemm import fp8_gemm
+
+    w = _weight(8 * 1024, 4096, seed=3)
+    x = torch.randn(M, 8 * 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M))
+    x = x.to(torch.bfloat16)
+    dense = w.dequantize(torch.float32)
+    want = torch.bmm(x.float().view(M, 8, 4096).transpose(0, 1), dense.view(8, 1024, 4096).mT).transpose(0, 1)
+    got = fp8_gemm(x, w, groups=8).float()
+    torch.testing.assert_close(got, want.reshape(M, -1), atol=0.01 * float(want.abs().max()), rtol=0.01)
+
+
 def test_fp8_gemm_no_host_sync_and_graph_capture() -> None:
     from shared.engine.kernels.fp8_gemm import fp8_linear
 
