@@ -39,7 +39,8 @@ LIMIT = 1.5
 
 def _fp8(N: int, K: int, block: int, seed: int) -> Fp8Weight:
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=g) * torch.exp2(torch.randint(-3, 3, (N, 1), generator=g).float())  # block scales differ
+    rows = torch.exp2(torch.randint(-3, 3, (N, 1), generator=g).float())  # rows of other magnitudes: scales differ
+    w = torch.randn(N, K, generator=g) * rows
     return quantize_fp8(w / K**0.5, block)
 
 
