@@ -169,14 +169,14 @@ def _e2m1(code):
 
 
 @triton.jit
-def _fp4_tile(rows, scale_rows, j, mask, SB: tl.constexpr, dt: tl.constexpr):
-    """Byte columns j of packed FP4 rows -> the (even, odd) weight columns 2 j, 2 j + 1 in dtype dt, scaled by
+def _fp4_tile(rows, scale_rows, j, mask, SB: tl.constexpr):
+    """Byte columns j of packed FP4 rows -> the (even, odd) weight columns 2 j, 2 j + 1 in float32, scaled by
     their e8m0 factors (2 ** (byte - 127), built from its bits: exact, unlike an exp2). Both are exact in
     bfloat16 (a 2-bit mantissa times a power of two), so the products are the dequantized weight's."""
     packed = tl.load(rows + j[None, :], mask=mask, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_K / 2)
     e8 = tl.load(scale_rows + (2 * j[None, :]) // SB, mask=mask, other=127).to(tl.int32)
     factor = (e8 << 23).to(tl.float32, bitcast=True)
-    return (_e2m1(packed & 15) * factor).to(dt), (_e2m1(packed >> 4) * factor).to(dt)
+    return _e2m1(packed & 15) * factor, _e2m1(packed >> 4) * factor
 
 
 @triton.jit
@@ -218,12 +218,12 @@ def _up_kernel(
             x_even = tl.load(x_ptr + row[:, None] * D + 2 * j[None, :], mask=xmask, other=0.0)
             x_odd = tl.load(x_ptr + row[:, None] * D + 2 * j[None, :] + 1, mask=xmask, other=0.0)
             wmask = nmask[:, None] & jmask[None, :]
-            g_even, g_odd = _fp4_tile(gate_rows, gate_sc, j, wmask, SB, x_even.dtype)
-            u_even, u_odd = _fp4_tile(up_rows, up_sc, j, wmask, SB, x_even.dtype)
-            acc_g += tl.dot(x_even, tl.trans(g_even), input_precision=PRECISION)
-            acc_g += tl.dot(x_odd, tl.trans(g_odd), input_precision=PRECISION)
-            acc_u += tl.dot(x_even, tl.trans(u_even), input_precision=PRECISION)
-            acc_u += tl.dot(x_odd, tl.trans(u_odd), input_precision=PRECISION)
+            g_even, g_odd = _fp4_tile(gate_rows, gate_sc, j, wmask, SB)
+            u_even, u_odd = _fp4_tile(up_rows, up_sc, j, wmask, SB)
+            acc_g += tl.dot(x_even, tl.trans(g_even.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc_g += tl.dot(x_odd, tl.trans(g_odd.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc_u += tl.dot(x_even, tl.trans(u_even.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc_u += tl.dot(x_odd, tl.trans(u_odd.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
     else:
         w = w_ptr + e * 2 * I * D  # w13[e]: (2 I, D), gate rows then up rows
         if SHARED:
@@ -281,9 +281,9 @@ def _down_kernel(
             hmask = pmask[:, None] & jmask[None, :]
             h_even = tl.load(h_ptr + pair[:, None] * I + 2 * j[None, :], mask=hmask, other=0.0)
             h_odd = tl.load(h_ptr + pair[:, None] * I + 2 * j[None, :] + 1, mask=hmask, other=0.0)
-            w_even, w_odd = _fp4_tile(w_rows, sc_rows, j, nmask[:, None] & jmask[None, :], SB, h_even.dtype)
-            acc += tl.dot(h_even, tl.trans(w_even), input_precision=PRECISION)
-            acc += tl.dot(h_odd, tl.trans(w_odd), input_precision=PRECISION)
+            w_even, w_odd = _fp4_tile(w_rows, sc_rows, j, nmask[:, None] & jmask[None, :], SB)
+            acc += tl.dot(h_even, tl.trans(w_even.to(h_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc += tl.dot(h_odd, tl.trans(w_odd.to(h_ptr.dtype.element_ty)), input_precision=PRECISION)
     else:
         w = w_ptr + e * D * I  # w2[e]: (D, I)
         if SHARED:
