@@ -3,6 +3,7 @@ eager on the same weights and against the byte and FLOP floors (issue 12, item 7
 
     python bench/v4_model.py --out bench/results/2026-12-01-v4-model-h200.md [--shape 43x32,8x256]
         [--batches 1,8,32,128] [--ctx 4096,65536] [--prefill 8192,78848] [--skip-hf] [--steps 8] [--tiny]
+    python bench/v4_model.py --quantized --skip-hf [--shape 43x32,43x128q]     (issue 15's quantized row)
 
 Two shapes, random bf16 weights built in memory (never a checkpoint on disk: a 43-layer one would not fit the
 GPU machine's disk): 43 layers x 32 routed experts (batch 1 touches as many experts as the real model's 256:
@@ -28,6 +29,17 @@ timed for --steps steps. Prefill: one fresh prompt through the engine (max_batch
 transformers 5.24 eager: a real prefill of B x ctx tokens, then one decode step with its cache (timed); an 8K
 prompt in one forward. Cases past --hf-max-ctx are not run (eager attention materialises heads x q x k
 scores); out of memory is reported as such.
+
+Quantized (`--quantized`, or a shape name ending in q): the model as DeepSeek ships V4-Flash, random weights
+quantized in memory as they are drawn: FP8 e4m3 attention projections, compressors, indexer and shared expert
+with 128 x 128 power-of-two block scales, FP4 e2m1 routed experts with an e8m0 scale per 32 columns; embedding,
+head (bf16, as DeepSeek's releases keep it), router, norms and mHC in bf16. 43x128q is the issue's V4-Flash shape:
+all 43 layers, 128 routed experts each, ~80 GB. Its byte floor counts those bytes; the bf16 floor of the same
+shape is printed beside it (a bf16 43x128 does not fit one H200: at batch 1 the 43x32 bf16 row reads the same
+bytes, 6 + 1 experts per layer). Prefill's FLOP floor for quantized rows is at twice the measured bf16 matmul
+rate (Hopper's FP8 tensor cores). `--quantized` also times the FP8 GEMM (weight-only and per-token FP8
+activations, kernels/fp8_gemm.py) against bf16 cuBLAS at V4-Flash's projection shapes: which way prefill
+should run is kernels/fp8_gemm.py PREFILL_ACT.
 
 Floors, from two ceilings measured in the same run (bench/timing.py: copy bytes/s, bf16 matmul FLOP/s), summed
 over the layers with bench/v4_layer.py's per-layer account (weights read once per step, the experts the batch
@@ -74,8 +86,10 @@ TINY = dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attent
             q_lora_rank=48, partial_rotary_factor=0.5, num_experts_per_tok=2, n_shared_experts=1, sliding_window=8,
             o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=8, hc_mult=4,
             max_position_embeddings=4096, compress_rates={C: 4, H: 16})
-SHAPES = {"43x32": (43, 32), "8x256": (8, 256)}
+SHAPES = {"43x32": (43, 32), "8x256": (8, 256), "43x128": (43, 128)}
 TINY_SHAPES = {"4x8": (4, 8), "3x16": (3, 16)}
+FP8_BYTES = 1 + 4 / (128 * 128)  # per weight: e4m3 + a float32 scale per 128 x 128 block
+FP4_BYTES = 0.5 + 1 / 32  # per weight: half a byte + an e8m0 byte per 32 columns
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 
 
@@ -169,6 +183,9 @@ class RandomWeights(Mapping[str, torch.Tensor]):
             return x
         return {"norm": x * 0.1 + 1.0, "bias": x * 0.1, "ape": x}[how]
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would draw the tensor to find out
+        return name in self.table
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.table)
 
@@ -177,6 +194,42 @@ class RandomWeights(Mapping[str, torch.Tensor]):
 
     def nbytes(self, elem: int) -> int:
         return sum(_numel(shape) for shape, _ in self.table.values()) * elem
+
+
+def quantized_kind(name: str) -> str | None:
+    """How DeepSeek ships a tensor: routed experts FP4, the other linears FP8; embedding, head, router, mHC and
+    norms as they are."""
+    if ".ffn.experts." in name:
+        return "fp4"
+    linear = name.endswith(".weight") and not name.endswith(("norm.weight", ".gate.weight"))
+    return "fp8" if linear and name not in ("embed.weight", "head.weight") else None
+
+
+class QuantizedWeights(Mapping[str, Any]):
+    """RandomWeights' tensors quantized as drawn (quant.py's FP8 / FP4 types), the rest passed through."""
+
+    def __init__(self, dense: RandomWeights) -> None:
+        self.dense = dense
+
+    def __getitem__(self, name: str) -> Any:
+        from shared.engine.quant import quantize_fp4, quantize_fp8
+
+        kind = quantized_kind(name)
+        w = self.dense[name]
+        return quantize_fp8(w, 128) if kind == "fp8" else quantize_fp4(w, 32) if kind == "fp4" else w
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.dense
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.dense)
+
+    def __len__(self) -> int:
+        return len(self.dense)
+
+    def nbytes(self, elem: int) -> int:
+        per = {"fp8": FP8_BYTES, "fp4": FP4_BYTES, None: elem}
+        return int(sum(_numel(shape) * per[quantized_kind(n)] for n, (shape, _) in self.dense.table.items()))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -190,25 +243,35 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class ModelCosts:
-    """Bytes and FLOPs of one step of the whole model: v4_layer's per-layer account over the schedule + the head."""
+    """Bytes and FLOPs of one step of the whole model: v4_layer's per-layer account over the schedule + the head.
+    quantized: weights at DeepSeek's shipped sizes (FP8 attention and shared expert, FP4 routed experts; the KV,
+    router, mHC and head at elem bytes)."""
 
-    def __init__(self, s: DeepseekV4Spec, elem: int) -> None:
+    def __init__(self, s: DeepseekV4Spec, elem: int, quantized: bool = False) -> None:
         self.layers = [Costs(dataclasses.replace(s, num_layers=1, kinds=(k,), ratios=(m,), hash_layers=0), elem)
                        for k, m in zip(s.kinds, s.ratios)]
         self.head = s.vocab_size * s.hidden_size
-        self.elem = elem
+        self.elem, self.quantized = elem, quantized
+
+    def _weight_bytes(self, c: Costs, tokens: int) -> float:
+        s = c.s
+        if not self.quantized:
+            return (c.dense + c.experts_touched(tokens) * c.expert) * self.elem
+        plain = s.num_experts * s.hidden_size + 2 * (2 + s.hc_mult) * s.hc_mult * s.hc_mult * s.hidden_size
+        routed = c.experts_touched(tokens) - s.num_shared_experts
+        return ((c.dense - plain) * FP8_BYTES + plain * self.elem + routed * c.expert * FP4_BYTES
+                + s.num_shared_experts * c.expert * FP8_BYTES)
 
     def decode(self, batch: int, ctx: int) -> tuple[float, float]:
-        parts = [c.decode(batch, ctx) for c in self.layers]
-        return (sum(b for b, _ in parts) + self.head * self.elem,
-                sum(f for _, f in parts) + 2 * self.head * batch)
+        kv = sum(batch * c.keys(ctx)[1] * self.elem for c in self.layers)
+        flops = sum(c.decode(batch, ctx)[1] for c in self.layers) + 2 * self.head * batch
+        return sum(self._weight_bytes(c, batch) for c in self.layers) + kv + self.head * self.elem, flops
 
     def prefill(self, n: int, chunk: int) -> tuple[float, float]:
         """A prompt of n tokens in chunks: the weights are read once per chunk."""
         chunks = -(-n // chunk)
-        parts = [c.prefill(n) for c in self.layers]
-        return (chunks * (sum(b for b, _ in parts) + self.head * self.elem),
-                sum(f for _, f in parts) + 2 * self.head * chunks)  # the head: one sampled row per chunk
+        flops = sum(c.prefill(n)[1] for c in self.layers) + 2 * self.head * chunks  # the head: a row per chunk
+        return chunks * (sum(self._weight_bytes(c, n) for c in self.layers) + self.head * self.elem), flops
 
 
 # --- ours -----------------------------------------------------------------------------------------------------
@@ -381,12 +444,16 @@ def guarded(fn: Any, *args: Any) -> float | str:
 
 
 def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, device: torch.device,
-              dtype: torch.dtype, bw: float, flops: float) -> tuple[list[dict], str]:
+              dtype: torch.dtype, bw: float, flops: float, quantized: bool = False) -> tuple[list[dict], str]:
     config = hf_config(layers, experts, args.tiny)
     spec = parse_spec(config.to_dict())
-    weights = RandomWeights(spec, device)
-    costs = ModelCosts(spec, dtype.itemsize)
+    dense = RandomWeights(spec, device)
+    weights: Any = QuantizedWeights(dense) if quantized else dense
+    costs = ModelCosts(spec, dtype.itemsize, quantized)
+    bf16_costs = ModelCosts(spec, dtype.itemsize)
     weight_gib = weights.nbytes(dtype.itemsize) / GiB
+    if quantized:
+        flops *= 2  # the FLOP floor of FP8 tensor cores (Hopper: twice bf16's)
     bt = spec.block_tokens
     block_bytes = V4Cache(spec, 1, torch.device("cpu"), dtype).block_bytes
     chunk = min(args.prefill)
@@ -404,6 +471,7 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
                     kv_blocks=blocks, max_batch_tokens=chunk, max_running=max(args.batches))
     log(f"{name}: model built, {torch.cuda.memory_allocated() / GiB:.1f} GiB allocated" if device.type == "cuda"
         else f"{name}: model built")
+    log(f"{name}: {engine.memory().line()}")
     rows = []
     with torch.inference_mode():
         for ctx in args.ctx:
@@ -414,7 +482,8 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
                 engine.runner.graphs = graphs
                 nbytes, nflops = costs.decode(b, ctx)
                 rows.append(dict(shape=name, phase="decode", batch=b, ctx=ctx, tokens=b, ours=t, eager=eager,
-                                 bytes_s=nbytes / bw, flops_s=nflops / flops))
+                                 bytes_s=nbytes / bw, flops_s=nflops / flops,
+                                 bf16_bytes_s=bf16_costs.decode(b, ctx)[0] / bw))
                 log(f"{name} decode b{b} ctx {ctx}: {_fmt_ms(t)} (without graphs: {_fmt_ms(eager) if eager else '-'})")
         if args.kernels and device.type == "cuda":
             b = args.kernels
@@ -426,15 +495,21 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
             t = guarded(ours_prefill, engine, n, f"p{n}")
             nbytes, nflops = costs.prefill(n, chunk)
             rows.append(dict(shape=name, phase="prefill", batch=1, ctx=n, tokens=n, ours=t,
-                             bytes_s=nbytes / bw, flops_s=nflops / flops))
+                             bytes_s=nbytes / bw, flops_s=nflops / flops,
+                             bf16_bytes_s=bf16_costs.prefill(n, chunk)[0] / bw))
             log(f"{name} prefill {n}: {_fmt_ms(t)}")
     del engine
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if not args.skip_hf:
+    if quantized:
+        for r in rows:
+            r["hf"] = "not run (quantized)"
+    elif not args.skip_hf:
         hf_rows(rows, config, weights, spec, args, device, dtype)
-    memory = f"{name}: weights {weight_gib:.1f} GiB, KV pool {blocks * block_bytes / GiB:.1f} GiB ({blocks} blocks)"
+    as_bf16 = f" (bf16: {dense.nbytes(dtype.itemsize) / GiB:.1f} GiB)" if quantized else ""
+    memory = (f"{name}: weights {weight_gib:.1f} GiB{as_bf16}, KV pool {blocks * block_bytes / GiB:.1f} GiB "
+              f"({blocks} blocks)")
     return rows, memory
 
 
@@ -461,6 +536,45 @@ def hf_rows(rows: list[dict], config: Any, weights: RandomWeights, spec: Deepsee
         torch.cuda.empty_cache()
 
 
+# --- the FP8 GEMM at V4-Flash's projections -------------------------------------------------------------------
+
+GEMM_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+               "indexer wq_b": (8192, 1024)}
+GEMM_ROWS = (1, 8, 32, 64, 512, 8192)
+
+
+def gemm_table(bw: float, flops: float) -> str:
+    """kernels/fp8_gemm.py weight-only and per-token FP8 against bf16 cuBLAS (F.linear), microseconds per call,
+    and each one's share of its floor (bytes of W at the copy rate, or FLOPs at the bf16 / 2x bf16 rate)."""
+    from bench.timing import cuda_time
+    from shared.engine.kernels.fp8_gemm import fp8_gemm
+    from shared.engine.quant import quantize_fp8
+
+    lines = ["", "## FP8 block GEMM (kernels/fp8_gemm.py) at V4-Flash's projections", "",
+             "us per call; in brackets the share of the floor (bf16: its bytes / FLOPs; FP8: FP8 bytes, FLOPs at "
+             "twice the bf16 rate for the FP8-activation path, bf16's rate for weight-only).", "",
+             "| weight | N x K | rows | bf16 cuBLAS | FP8 weight-only | FP8 per-token activations |",
+             "|---|---|---|---|---|---|"]
+    for name, (N, K) in GEMM_SHAPES.items():
+        w = torch.randn(N, K, device="cuda") / K**0.5
+        q, dense = quantize_fp8(w), w.to(torch.bfloat16)
+        del w
+        for M in GEMM_ROWS:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = cuda_time(lambda: torch.nn.functional.linear(x, dense))
+            t_w = cuda_time(lambda: fp8_gemm(x, q, "none"))
+            t_a = cuda_time(lambda: fp8_gemm(x, q, "fp8"))
+            act = (M + N) * K * 2 + M * N * 2  # activations in, out (bf16)
+
+            def pct(t: float, wbytes: float, rate: float) -> str:
+                return f"{t * 1e6:,.1f} ({100 * max((wbytes + act) / bw, 2 * M * N * K / rate) / t:.0f} %)"
+
+            lines.append(f"| {name} | {N} x {K} | {M} | {pct(t_bf16, N * K * 2, flops)} | "
+                         f"{pct(t_w, N * K * FP8_BYTES, flops)} | {pct(t_a, N * K * FP8_BYTES, 2 * flops)} |")
+        log(f"gemm {name} done")
+    return "\n".join(lines) + "\n"
+
+
 # --- the table ------------------------------------------------------------------------------------------------
 
 
@@ -480,8 +594,9 @@ def table(rows: list[dict], memory: list[str], bw: float, flops: float, device: 
         + "; ".join(memory) + ".",
         "",
         "| shape | phase | batch | context / prompt | ours ms | ours tok/s | ours without CUDA graphs ms "
-        "| transformers ms | ours vs transformers | bytes floor ms | FLOP floor ms | % of floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| transformers ms | ours vs transformers | bytes floor ms | bf16 bytes floor ms | FLOP floor ms "
+        "| % of floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ours, hf = r["ours"], r.get("hf", "")
@@ -493,7 +608,7 @@ def table(rows: list[dict], memory: list[str], bw: float, flops: float, device: 
         eager = r.get("eager", "")
         lines.append(f"| {r['shape']} | {r['phase']} | {r['batch']} | {r['ctx']:,} | {_fmt_ms(ours)} | {tok_s} | "
                      f"{_fmt_ms(eager) if eager != '' else ''} | {_fmt_ms(hf) if hf != '' else ''} | {speed} | "
-                     f"{r['bytes_s'] * 1e3:.2f} | {r['flops_s'] * 1e3:.2f} | {pct} |")
+                     f"{r['bytes_s'] * 1e3:.2f} | {r['bf16_bytes_s'] * 1e3:.2f} | {r['flops_s'] * 1e3:.2f} | {pct} |")
     return "\n".join(lines) + "\n"
 
 
@@ -517,22 +632,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernels", type=int, default=0,
                     help="profile a decode step of this batch size at the first context (GPU): a per-kernel table")
     ap.add_argument("--tiny", action="store_true", help="toy widths on the CPU in seconds (checks the script)")
+    ap.add_argument("--quantized", action="store_true",
+                    help="issue 15's rows: default shapes 43x32 (bf16) and 43x128q (FP8 / FP4 as DeepSeek ships "
+                         "V4-Flash), and the FP8 GEMM table; any shape name ending in q runs quantized")
     args = ap.parse_args(argv)
     args.kernel_tables = []
     if args.tiny:
-        args.shape = args.shape or ",".join(TINY_SHAPES)
+        args.shape = args.shape or ("4x8,4x8q" if args.quantized else ",".join(TINY_SHAPES))
         args.batches = args.batches or [1, 3]
         args.ctx = args.ctx or [40, 100]
         args.prefill = args.prefill or [32, 80]
         args.steps = min(args.steps, 2)
     else:
-        args.shape = args.shape or ",".join(SHAPES)
+        args.shape = args.shape or ("43x32,43x128q" if args.quantized else "43x32,8x256")
         args.batches = args.batches or [1, 8, 32, 128]
         args.ctx = args.ctx or [4096, 65536]
         args.prefill = args.prefill or [8192, 78848]
     known = TINY_SHAPES if args.tiny else SHAPES
     args.shapes = [s for s in args.shape.split(",") if s]
-    if unknown := [s for s in args.shapes if s not in known]:
+    if unknown := [s for s in args.shapes if s.removesuffix("q") not in known]:
         ap.error(f"--shape: unknown {unknown}; have {', '.join(known)}")
     return args
 
@@ -546,8 +664,8 @@ def main(argv: list[str] | None = None) -> str:
     shapes_ = TINY_SHAPES if args.tiny else SHAPES
     rows, memory = [], []
     for name in args.shapes:
-        layers, experts = shapes_[name]
-        shape_rows, mem = run_shape(name, layers, experts, args, device, dtype, bw, flops)
+        layers, experts = shapes_[name.removesuffix("q")]
+        shape_rows, mem = run_shape(name, layers, experts, args, device, dtype, bw, flops, name.endswith("q"))
         rows += shape_rows
         memory.append(mem)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
@@ -555,6 +673,8 @@ def main(argv: list[str] | None = None) -> str:
         gpu += f", {torch.cuda.mem_get_info()[1] / GiB:.0f} GiB"
     out = table(rows, memory, bw, flops, gpu + (" (tiny widths)" if args.tiny else ""), args)
     out += "".join(args.kernel_tables)
+    if args.quantized and device.type == "cuda":
+        out += gemm_table(bw, flops)
     print(out)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

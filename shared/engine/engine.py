@@ -92,6 +92,9 @@ class _Launched:
         return self.tokens.tolist()
 
 
+QUANTIZATIONS = ("auto", "bf16")  # --quantization: as the checkpoint ships on a GPU | dequantized to bf16
+
+
 class Engine:
     def __init__(
         self,
@@ -109,6 +112,7 @@ class Engine:
         speculative_policy: str = "fixed",
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
+        quantization: str = "auto",
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -117,10 +121,16 @@ class Engine:
         them a sequence verifies per step (verify_policy.py: "fixed" K, "adaptive"); max_model_len: caps a
         sequence's tokens below the model's context; gpu_memory_utilization: the share of the GPU's total memory
         this engine may fill, weights, activations (measured) and KV pool together, as vLLM's flag (memory.py;
-        None: the KV pool takes GPU_KV_FRACTION of what is free after the weights)."""
-        # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
-        loaded = model if isinstance(model, LoadedModel) else load(resolve(model) if isinstance(model, str) else model)
+        None: the KV pool takes GPU_KV_FRACTION of what is free after the weights); quantization: "auto" keeps
+        a checkpoint's FP8 / FP4 weights as shipped on a GPU (DeepSeek-V4's release, read by the Triton kernels),
+        "bf16" dequantizes them (always so on a CPU: QUANTIZATIONS)."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
+        keep = quantization == "auto" and self.device.type == "cuda"
+        # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
+        loaded = model if isinstance(model, LoadedModel) else load(
+            resolve(model) if isinstance(model, str) else model, keep_quantized=keep)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.config: ModelConfig = loaded.config
         self.ops = select_ops(self.device, kernels)
@@ -426,6 +436,12 @@ class Engine:
         state = 2 * self.max_running * self.spec.per_request_state_bytes  # V4 pools running + held (make_cache)
         pool = memory.kv_pool_bytes(memory.probe(self.device, peak), utilization, state)
         return max(1, pool // self.spec.bytes_per_block)
+
+    def memory(self) -> memory.MemoryReport:
+        """Weights, KV pool and the tokens of context it holds (the worker logs it once, at load)."""
+        state = 2 * self.max_running * self.spec.per_request_state_bytes if self.has_request_state else 0
+        return memory.MemoryReport(memory.held_bytes(self.model), self.blocks.num_blocks * self.spec.bytes_per_block,
+                                   self.blocks.num_blocks, self.block_tokens, state, self.context_cap)
 
     def activation_peak(self) -> int:
         """Bytes one step of max_batch_tokens fresh prompt tokens allocates above what the engine holds (its

@@ -14,7 +14,7 @@ The arithmetic is pure (DeviceMemory in, bytes out) so it is tested without a GP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 
 import torch
 
@@ -52,3 +52,55 @@ def probe(device: torch.device, activation_peak: int = 0) -> DeviceMemory:
     """The device's memory now, as this process sees it (CUDA only)."""
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total, free, torch.cuda.memory_reserved(device), activation_peak)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What an engine holds, for the one log line a worker writes at load: weights, KV pool, and how many tokens
+    of context that pool holds (all requests together; one request is capped at `context_cap`)."""
+
+    weight_bytes: int  # the model's weights as held (FP8 / FP4 ones at their quantized size, scales included)
+    kv_bytes: int  # the KV pool: kv_blocks x block bytes
+    kv_blocks: int
+    block_tokens: int
+    state_bytes: int  # per-request short-term state (V4's sliding rings), all slots together
+    context_cap: int  # tokens one sequence may reach
+
+    @property
+    def tokens(self) -> int:
+        return self.kv_blocks * self.block_tokens
+
+    def line(self) -> str:
+        full = self.tokens // self.context_cap if self.context_cap else 0
+        return (f"memory: weights {self.weight_bytes / GiB:.2f} GiB, KV pool {self.kv_bytes / GiB:.2f} GiB "
+                f"({self.kv_blocks} blocks of {self.block_tokens} tokens) + request state "
+                f"{self.state_bytes / GiB:.2f} GiB: {self.tokens} tokens of context fit "
+                f"({full} sequences at the full {self.context_cap})")
+
+
+def held_bytes(root: object) -> int:
+    """Bytes of the tensors reachable from `root` through attributes, dataclass fields, lists, tuples and dicts,
+    each storage counted once (a tied head is the embedding). Objects of other classes (caches, kernels' state)
+    are not entered, so a model's weights are counted and its KV pool is not."""
+    seen: set[int] = set()
+    total = 0
+    stack = [root]
+    visited: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            key = obj.untyped_storage().data_ptr() if obj.device.type != "meta" else id(obj)
+            if key not in seen:
+                seen.add(key)
+                total += obj.untyped_storage().nbytes()
+            continue
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif obj is root or is_dataclass(obj):
+            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+    return total

@@ -91,7 +91,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         ("--speculative-method", args.speculative_method if args.speculative_tokens else None),
                         ("--speculative-policy", args.speculative_policy if args.speculative_tokens else None),
                         ("--kv-blocks", args.kv_blocks), ("--kv-arena-mib", args.kv_arena_mib),
-                        ("--gpu-memory-utilization", cli_up.worker_share(args))):
+                        ("--gpu-memory-utilization", cli_up.worker_share(args)),
+                        ("--quantization", args.quantization if args.quantization != "auto" else None)):
         worker += [flag, str(value)] if value is not None else []
     worker += ["--enforce-eager"] if args.enforce_eager else []
     gateway = capped + ["--host", args.host, "--port", str(args.port),
@@ -244,6 +245,9 @@ async def up(plan: Plan, nats: SupervisedNats | None, nats_url: str, timeout: fl
     bus = await Bus.connect(nats_url, "launcher")
     try:
         await wait_ready(plan, bus, timeout)
+        for child in plan.children:  # what each worker holds: weights, KV pool, tokens of context that fit
+            if (line := memory_line(child.log_path, child.log_offset)) is not None:
+                print(f"{child.instance} {line}", flush=True)
         print(banner, flush=True)
         await serve(plan, nats, bus)
     finally:
@@ -307,6 +311,21 @@ def last_error(log_path: Path, offset: int = 0, fallback_lines: int = 3) -> list
         return logged + ([exception] if exception else [])
     errors = [line for line in lines if " ERROR " in line or " CRITICAL " in line or ": error: " in line]
     return errors[-1:] if errors else lines[-fallback_lines:]
+
+
+MEMORY_MARK = "memory: weights "  # the line a worker logs at load (shared/engine/memory.py MemoryReport.line)
+
+
+def memory_line(log_path: Path, offset: int = 0) -> str | None:
+    """The last memory line a worker logged in this run (from its mark on), or None (not a worker)."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = [line[line.index(MEMORY_MARK):] for line in map(_plain, text.splitlines()) if MEMORY_MARK in line]
+    return found[-1] if found else None
 
 
 def _plain(line: str) -> str:

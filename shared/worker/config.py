@@ -13,6 +13,7 @@ from shared.kv_arena import ARENA_MIB
 HANDOVERS = ("peer", "store")  # --kv-handover
 SPECULATIVE_METHODS = ("mtp", "ngram")  # --speculative-method: shared/engine/drafters METHODS (a test checks them)
 SPECULATIVE_POLICIES = ("fixed", "adaptive")  # --speculative-policy: shared/engine/verify_policy.py POLICIES
+QUANTIZATIONS = ("auto", "bf16")  # --quantization: shared/engine/engine.py QUANTIZATIONS (a test checks them)
 KV_TRANSPORTS = "nats | shm"  # the names in shared/worker/kvclient.py TRANSPORTS, for --help (a test checks them)
 
 
@@ -39,6 +40,9 @@ class WorkerConfig:
     speculative_policy: str = option(
         "fixed", help="drafts verified per request and step: fixed (always --speculative-tokens) | adaptive (fewer "
                       "after short n-gram matches or rejections, none on large batches)")
+    quantization: str = option(
+        "auto", help="weights of a quantized checkpoint: auto (as shipped on a GPU: DeepSeek-V4's FP8 linears and "
+                     "FP4 experts stay quantized, read by the kernels; dequantized on a CPU) | bf16 (dequantized)")
     enforce_eager: bool = option(
         False, env=True, help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
     # share of the GPU this worker may fill; None = the engine's rule
@@ -86,6 +90,8 @@ class WorkerConfig:
             raise ValueError("--speculative-tokens must be >= 0")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculative-method must be one of {list(SPECULATIVE_METHODS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}")
         if self.speculative_policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"--speculative-policy must be one of {list(SPECULATIVE_POLICIES)}")
 

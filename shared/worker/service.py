@@ -146,6 +146,7 @@ class EngineWorker(ABC):
                 speculative_policy=self.worker.speculative_policy,
                 max_model_len=self.config.max_model_len,
                 gpu_memory_utilization=self.worker.gpu_memory_utilization,
+                quantization=self.worker.quantization,
                 cuda_graphs=not self.worker.enforce_eager,
             )
         except Exception as exc:
@@ -159,6 +160,7 @@ class EngineWorker(ABC):
         self.engine.start()
         log.info("loaded %s in %.1fs on %s (%s)", self.model_name, time.monotonic() - started, engine.device,
                  str(engine.dtype).removeprefix("torch."))
+        log.info("%s", engine.memory().line())
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         await self.serve_handover()
         self._tasks.append(asyncio.create_task(self._heartbeat()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -53,6 +54,9 @@ def test_models_lists_the_served_names_and_requests_use_them(oai: openai.OpenAI,
     banner = "".join(mesh.output)
     assert "DeepInfer mesh is up: smol on" in banner and "Authorization: Bearer $DEEPINFER_API_KEY" in banner
     assert KEY not in banner
+    # each worker's memory at load, from its (JSON) log, before the banner
+    for worker in ("prefill-0", "decode-0"):
+        assert re.search(rf"^{worker} memory: weights 0\.\d\d GiB, KV pool .* tokens of context fit", banner, re.M)
 
 
 def test_a_prompt_past_max_model_len_is_a_400(oai: openai.OpenAI) -> None:

@@ -19,7 +19,33 @@ def test_the_bench_runs_ours_transformers_and_the_floors() -> None:
     for r in rows:
         cells = [c.strip() for c in r.split("|")]
         # ours, (ours without CUDA graphs: GPU only), transformers, % of floor
-        assert cells[5].endswith(" ms") and cells[8].endswith(" ms") and cells[12].endswith(" %"), r
+        assert cells[5].endswith(" ms") and cells[8].endswith(" ms") and cells[13].endswith(" %"), r
+
+
+def test_the_quantized_rows_run_and_read_fewer_bytes() -> None:
+    """--quantized: the shape with FP8 / FP4 weights quantized in memory (on the CPU the model dequantizes them:
+    the script's path, not the kernels), its byte floor beside bf16's."""
+    out = v4_model.main(["--tiny", "--quantized", "--shape", "4x8q", "--batches", "1", "--ctx", "40",
+                         "--prefill", "32", "--steps", "1", "--skip-hf"])
+    rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| 4x8q |")]
+    assert [r[2] for r in rows] == ["decode", "prefill"]
+    for r in rows:
+        assert r[5].endswith(" ms") and r[8] == "not run (quantized)" and float(r[10]) < float(r[11]), r
+    assert "(bf16: " in out
+
+
+def test_flash_quantized_weights_are_about_80_gb() -> None:
+    """The issue's shape: 43 layers x 128 routed experts as DeepSeek ships them, ~80 GB (a bf16 copy ~4x that);
+    its batch-1 byte floor well under half the bf16 one."""
+    spec = parse_spec(v4_model.hf_config(43, 128, tiny=False).to_dict())
+    dense = v4_model.RandomWeights(spec, torch.device("cpu"))
+    quantized = v4_model.QuantizedWeights(dense)
+    assert 70 < quantized.nbytes(2) / 1e9 < 90 and dense.nbytes(2) > 3.5 * quantized.nbytes(2)
+    assert v4_model.quantized_kind("layers.3.attn.compressor.wgate.weight") == "fp8"
+    assert v4_model.quantized_kind("layers.3.ffn.gate.weight") is None
+    q, bf16 = v4_model.ModelCosts(spec, 2, quantized=True), v4_model.ModelCosts(spec, 2)
+    assert q.decode(1, 4096)[0] < 0.45 * bf16.decode(1, 4096)[0]
+    assert q.decode(1, 4096)[1] == bf16.decode(1, 4096)[1]
 
 
 def test_ours_and_transformers_get_the_same_weights() -> None:

@@ -291,3 +291,24 @@ def test_json_logs_are_one_object_per_line_and_read_back_as_errors(tmp_path: Pat
     log.write_text(line + "\n")
     assert last_error(log)[-1] == "FileNotFoundError: no weights"
     assert "ERROR shared.worker: could not load m" in last_error(log)[0]
+
+
+def test_up_shows_each_workers_memory_line_of_this_run(tmp_path: Path) -> None:
+    """`deepinfer up` prints what each worker logged at load (MemoryReport.line), from this run's part of its
+    log, text or JSON; a service that logs none shows nothing."""
+    from shared.engine.memory import MemoryReport
+    from shared.launch.launcher import memory_line
+
+    old = MemoryReport(1, 2, 3, 16, 0, 64).line()
+    new = MemoryReport(3 << 30, 1 << 30, 512, 128, 0, 4096).line()
+    log = tmp_path / "decode-0.log"
+    log.write_text(f"2026-12-01 10:00:00,000 decode-0 INFO shared.worker.service: {old}\n")
+    offset = log.stat().st_size
+    record = {"time": "t", "instance": "decode-0", "level": "INFO", "logger": "shared.worker.service", "message": new}
+    with open(log, "a") as f:
+        f.write("x decode-0 INFO shared.worker.service: loaded m in 1.0s\n" + json.dumps(record) + "\n")
+    assert memory_line(log, offset) == new and memory_line(log) == new
+    assert memory_line(log, 0).startswith("memory: weights 3.00 GiB, KV pool 1.00 GiB (512 blocks of 128 tokens)")
+    gateway = tmp_path / "gateway-0.log"
+    gateway.write_text("x gateway-0 INFO shared.service: ready\n")
+    assert memory_line(gateway) is None and memory_line(tmp_path / "missing.log") is None

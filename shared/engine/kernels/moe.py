@@ -29,6 +29,12 @@ alone it would be 3 more launches (up GEMM, SwiGLU, down GEMM) plus an add, ~4 x
 against its 12 us of bytes; fused, it is one more 16-slot block in each launch, read at the same bandwidth.
 A second stream buys nothing when both halves are bandwidth-bound on the same HBM, and complicates capture.
 
+FP4 experts (DeepSeek's release: packed e2m1 pairs, an e8m0 scale per 32 columns; quant.Fp4Weight) go through the
+same two kernels with W_FP4 set: each weight tile is loaded as bytes, its two nibbles decoded to the even and odd
+columns and scaled in registers (Hopper has no FP4 tensor cores), and multiplied on the activation dtype's tensor
+cores against x's even and odd columns. The decoded weights are exact in bfloat16, so the result is the
+dequantize-then-multiply one up to summation order; the bytes read are a quarter of bfloat16's (plus 1/64 scales).
+
 At decode (a few rows) each touched expert's matrices are read once by one block of 16 slots (tl.dot needs 16
 rows; the padding costs FLOPs, which are free there, not bytes), spread over many programs along N. Rounding
 follows the torch path: the GEMM results are rounded to the activation dtype before the SwiGLU / the weight.
@@ -41,6 +47,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from shared.engine.quant import Fp4Weight
 
 
 class Config(NamedTuple):
@@ -152,11 +160,33 @@ def align_pairs(chosen: torch.Tensor, experts: int, with_shared: bool, block_m: 
 
 
 @triton.jit
+def _e2m1(code):
+    """e2m1 codes (int32, 0..15) -> float32: sign | 2-bit exponent | 1-bit mantissa, subnormal at exponent 0."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)  # 0 .5 | 1 1.5 | 2 3 | 4 6
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _fp4_tile(rows, scale_rows, j, mask, SB: tl.constexpr):
+    """Byte columns j of packed FP4 rows -> the (even, odd) weight columns 2 j, 2 j + 1 in float32, scaled by
+    their e8m0 factors (2 ** (byte - 127), built from its bits: exact, unlike an exp2). Both are exact in
+    bfloat16 (a 2-bit mantissa times a power of two), so the products are the dequantized weight's."""
+    packed = tl.load(rows + j[None, :], mask=mask, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_K / 2)
+    e8 = tl.load(scale_rows + (2 * j[None, :]) // SB, mask=mask, other=127).to(tl.int32)
+    factor = (e8 << 23).to(tl.float32, bitcast=True)
+    return _e2m1(packed & 15) * factor, _e2m1(packed >> 4) * factor
+
+
+@triton.jit
 def _up_kernel(
-    x_ptr, w_ptr, ws_ptr, h_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, I, D, limit,
-    TOP_K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, sc_ptr, scs_ptr, h_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, I, D, limit,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr, W_FP4: tl.constexpr, SB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """W_FP4: w13 is packed e2m1 (E, 2 I, D / 2) with e8m0 scales sc (E, 2 I, D / SB), dequantized per tile in
+    registers; the x tile is split into its even and odd columns to meet the two nibbles of each byte."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
@@ -164,26 +194,53 @@ def _up_kernel(
     pmask = pair < pairs
     row = pair // TOP_K
     e = tl.load(group_ptr + pid_m).to(tl.int64)
-    w = w_ptr + e * 2 * I * D  # w13[e]: (2 I, D), gate rows then up rows
-    if SHARED:
-        if e == N_EXPERTS:
-            w = ws_ptr
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    kk = tl.arange(0, BLOCK_K)
-    gate_rows = w + n.to(tl.int64)[:, None] * D
-    up_rows = gate_rows + I * D
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k = k0 + kk
-        kmask = k < D
-        xt = tl.load(x_ptr + row[:, None] * D + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        wg = tl.load(gate_rows + k[None, :], mask=wmask, other=0.0)  # (BLOCK_N, BLOCK_K)
-        wu = tl.load(up_rows + k[None, :], mask=wmask, other=0.0)
-        acc_g += tl.dot(xt, tl.trans(wg), input_precision=PRECISION)
-        acc_u += tl.dot(xt, tl.trans(wu), input_precision=PRECISION)
+    if W_FP4:
+        DH = D // 2
+        w = w_ptr + e * 2 * I * DH
+        sc = sc_ptr + e * 2 * I * (D // SB)
+        if SHARED:
+            if e == N_EXPERTS:
+                w = ws_ptr
+                sc = scs_ptr
+        gate_rows = w + n.to(tl.int64)[:, None] * DH
+        up_rows = gate_rows + I * DH
+        gate_sc = sc + n.to(tl.int64)[:, None] * (D // SB)
+        up_sc = gate_sc + I * (D // SB)
+        jj = tl.arange(0, BLOCK_K // 2)
+        for k0 in range(0, D, BLOCK_K):
+            j = k0 // 2 + jj
+            jmask = j < DH
+            xmask = pmask[:, None] & jmask[None, :]
+            x_even = tl.load(x_ptr + row[:, None] * D + 2 * j[None, :], mask=xmask, other=0.0)
+            x_odd = tl.load(x_ptr + row[:, None] * D + 2 * j[None, :] + 1, mask=xmask, other=0.0)
+            wmask = nmask[:, None] & jmask[None, :]
+            g_even, g_odd = _fp4_tile(gate_rows, gate_sc, j, wmask, SB)
+            u_even, u_odd = _fp4_tile(up_rows, up_sc, j, wmask, SB)
+            acc_g += tl.dot(x_even, tl.trans(g_even.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc_g += tl.dot(x_odd, tl.trans(g_odd.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc_u += tl.dot(x_even, tl.trans(u_even.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc_u += tl.dot(x_odd, tl.trans(u_odd.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+    else:
+        w = w_ptr + e * 2 * I * D  # w13[e]: (2 I, D), gate rows then up rows
+        if SHARED:
+            if e == N_EXPERTS:
+                w = ws_ptr
+        kk = tl.arange(0, BLOCK_K)
+        gate_rows = w + n.to(tl.int64)[:, None] * D
+        up_rows = gate_rows + I * D
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + kk
+            kmask = k < D
+            xt = tl.load(x_ptr + row[:, None] * D + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
+            wmask = nmask[:, None] & kmask[None, :]
+            wg = tl.load(gate_rows + k[None, :], mask=wmask, other=0.0)  # (BLOCK_N, BLOCK_K)
+            wu = tl.load(up_rows + k[None, :], mask=wmask, other=0.0)
+            acc_g += tl.dot(xt, tl.trans(wg), input_precision=PRECISION)
+            acc_u += tl.dot(xt, tl.trans(wu), input_precision=PRECISION)
     dt = h_ptr.dtype.element_ty
     g = tl.minimum(acc_g.to(dt).to(tl.float32), limit)
     u = tl.minimum(tl.maximum(acc_u.to(dt).to(tl.float32), -limit), limit)
@@ -193,31 +250,53 @@ def _up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, ws_ptr, y_ptr, weight_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, D, I,
-    K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr,
+    h_ptr, w_ptr, ws_ptr, sc_ptr, scs_ptr, y_ptr, weight_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, D, I,
+    K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr, W_FP4: tl.constexpr, SB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """W_FP4: w2 is packed e2m1 (E, D, I / 2) with e8m0 scales sc (E, D, I / SB), as _up_kernel."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pmask = pair < pairs
     e = tl.load(group_ptr + pid_m).to(tl.int64)
-    w = w_ptr + e * D * I  # w2[e]: (D, I)
-    if SHARED:
-        if e == N_EXPERTS:
-            w = ws_ptr
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < D
-    kk = tl.arange(0, BLOCK_K)
-    w_rows = w + n.to(tl.int64)[:, None] * I
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + kk
-        kmask = k < I
-        ht = tl.load(h_ptr + pair[:, None] * I + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-        wt = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
-        acc += tl.dot(ht, tl.trans(wt), input_precision=PRECISION)
+    if W_FP4:
+        IH = I // 2
+        w = w_ptr + e * D * IH
+        sc = sc_ptr + e * D * (I // SB)
+        if SHARED:
+            if e == N_EXPERTS:
+                w = ws_ptr
+                sc = scs_ptr
+        w_rows = w + n.to(tl.int64)[:, None] * IH
+        sc_rows = sc + n.to(tl.int64)[:, None] * (I // SB)
+        jj = tl.arange(0, BLOCK_K // 2)
+        for k0 in range(0, I, BLOCK_K):
+            j = k0 // 2 + jj
+            jmask = j < IH
+            hmask = pmask[:, None] & jmask[None, :]
+            h_even = tl.load(h_ptr + pair[:, None] * I + 2 * j[None, :], mask=hmask, other=0.0)
+            h_odd = tl.load(h_ptr + pair[:, None] * I + 2 * j[None, :] + 1, mask=hmask, other=0.0)
+            w_even, w_odd = _fp4_tile(w_rows, sc_rows, j, nmask[:, None] & jmask[None, :], SB)
+            acc += tl.dot(h_even, tl.trans(w_even.to(h_ptr.dtype.element_ty)), input_precision=PRECISION)
+            acc += tl.dot(h_odd, tl.trans(w_odd.to(h_ptr.dtype.element_ty)), input_precision=PRECISION)
+    else:
+        w = w_ptr + e * D * I  # w2[e]: (D, I)
+        if SHARED:
+            if e == N_EXPERTS:
+                w = ws_ptr
+        kk = tl.arange(0, BLOCK_K)
+        w_rows = w + n.to(tl.int64)[:, None] * I
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + kk
+            kmask = k < I
+            ht = tl.load(h_ptr + pair[:, None] * I + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
+            wt = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+            acc += tl.dot(ht, tl.trans(wt), input_precision=PRECISION)
     K1: tl.constexpr = K + SHARED
     t, j = pair // K1, pair % K1
     weight = tl.load(weight_ptr + t * K + j, mask=pmask & (j < K), other=1.0)  # float32; 1 for the shared expert
@@ -226,19 +305,22 @@ def _down_kernel(
 
 
 def fused_moe(
-    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-    limit: float, shared: tuple[torch.Tensor, torch.Tensor] | None = None, cfg: Config | None = None,
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: Expert, w2: Expert,
+    limit: float, shared: tuple[Expert, Expert] | None = None, cfg: Config | None = None,
 ) -> torch.Tensor:
-    """x (T, D), chosen (T, k) int64 expert ids, weights (T, k) float32, w13 (E, 2 I, D), w2 (E, D, I),
-    shared: the shared expert's (2 I, D) and (D, I) or None -> sum_j weights[t, j] expert_{chosen[t, j]}(x[t])
-    (+ shared(x[t])), (T, D) in x's dtype."""
+    """x (T, D), chosen (T, k) int64 expert ids, weights (T, k) float32, w13 (E, 2 I, D), w2 (E, D, I) in x's dtype
+    or FP4 (quant.Fp4Weight: packed e2m1 + e8m0 scales, dequantized in the kernels' registers), shared: the
+    shared expert's (2 I, D) and (D, I) in the same format, or None -> sum_j weights[t, j]
+    expert_{chosen[t, j]}(x[t]) (+ shared(x[t])), (T, D) in x's dtype."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
-    assert w13.shape[2] == D and w2.shape == (E, D, I) and x.dtype == w13.dtype == w2.dtype
+    fp4 = isinstance(w13, Fp4Weight)
+    assert w13.shape[2] == D and w2.shape == (E, D, I) and isinstance(w2, Fp4Weight) == fp4
+    assert fp4 or x.dtype == w13.dtype == w2.dtype
     with_shared = shared is not None
     if with_shared:
-        assert shared[0].shape == (I2, D) and shared[1].shape == (D, I)
+        assert shared[0].shape == (I2, D) and shared[1].shape == (D, I) and isinstance(shared[0], Fp4Weight) == fp4
     k = chosen.shape[1]
     k1 = k + with_shared  # the shared expert is group E, one more choice per row (weight 1)
     pairs, groups = T * k1, E + with_shared
@@ -249,19 +331,37 @@ def fused_moe(
     blocks = block_group.numel()
     x = x.contiguous()
     s13, s2 = shared if shared is not None else (w13, w2)  # unread stand-ins when there is no shared expert
+    sb = _scale_block(w13, w2, s13, s2) if fp4 else 1  # columns per FP4 scale
+    (w13, c13), (w2, c2), (s13, cs13), (s2, cs2) = (_operands(t) for t in (w13, w2, s13, s2))
+    if fp4:
+        assert cfg.block_k >= 32 and cfg.block_k % sb == 0 and D % sb == 0 and I % sb == 0
     precision = _dot_precision(x.dtype)
     h = torch.empty(pairs, I, dtype=x.dtype, device=x.device)
     _up_kernel[(blocks, triton.cdiv(I, cfg.block_n_up))](
-        x, w13, s13, h, sorted_pairs, block_group, padded, pairs, I, D, float(limit),
-        TOP_K=k1, SHARED=with_shared, N_EXPERTS=E,
+        x, w13, s13, c13, cs13, h, sorted_pairs, block_group, padded, pairs, I, D, float(limit),
+        TOP_K=k1, SHARED=with_shared, N_EXPERTS=E, W_FP4=fp4, SB=sb,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     y = torch.empty(pairs, D, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(D, cfg.block_n_down))](
-        h, w2, s2, y, weights.contiguous().float(), sorted_pairs, block_group, padded, pairs, D, I,
-        K=k, SHARED=with_shared, N_EXPERTS=E,
+        h, w2, s2, c2, cs2, y, weights.contiguous().float(), sorted_pairs, block_group, padded, pairs, D, I,
+        K=k, SHARED=with_shared, N_EXPERTS=E, W_FP4=fp4, SB=sb,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.view(T, k1, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+Expert = torch.Tensor | Fp4Weight  # stacked expert weights as the kernels read them
+
+
+def _operands(w: Expert) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scales) pointers for a kernel: a dense weight's scales are an unread stand-in (itself)."""
+    return (w.data.contiguous(), w.scale.contiguous()) if isinstance(w, Fp4Weight) else (w.contiguous(), w)
+
+
+def _scale_block(*ws: Fp4Weight) -> int:
+    blocks = {w.block for w in ws}
+    assert len(blocks) == 1, f"FP4 experts of mixed scale blocks {blocks}"
+    return blocks.pop()

@@ -16,6 +16,7 @@ import torch
 
 from shared.engine.config import ModelConfig
 from shared.engine.loader import hf
+from shared.engine.quant import Weight
 from shared.models import ModelFiles
 
 
@@ -23,13 +24,13 @@ from shared.models import ModelFiles
 class LoadedModel:
     name: str  # the model's served name; part of the engine's cache identity
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]  # plain tensors; DeepSeek-V4 on a GPU may keep FP8 / FP4 ones (quant.py)
 
 
-Loader = Callable[[Path], tuple[ModelConfig, dict[str, torch.Tensor]]]
+Loader = Callable[..., tuple[ModelConfig, dict[str, Weight]]]  # (path, keep_quantized=...) -> config, weights
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from shared.engine.loader import gguf  # the `gguf` package is only needed for GGUF files
 
     return gguf.load(path)
@@ -38,9 +39,11 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 LOADERS: dict[str, Loader] = {"gguf": _load_gguf, "hf": hf.load}
 
 
-def load(files: ModelFiles) -> LoadedModel:
+def load(files: ModelFiles, keep_quantized: bool = False) -> LoadedModel:
+    """keep_quantized: FP8 / FP4 weights stay as the checkpoint ships them where the format's loader can keep
+    them (DeepSeek-V4's hub release); otherwise they are dequantized to bfloat16."""
     loader = LOADERS.get(files.format)
     if loader is None:
         raise ValueError(f"{files.name}: no loader for format {files.format!r} (have {sorted(LOADERS)})")
-    config, weights = loader(files.path)
+    config, weights = loader(files.path, keep_quantized=keep_quantized)
     return LoadedModel(files.name, config, weights)

@@ -5,7 +5,8 @@ with `.scale` tensors), what transformers' `save_pretrained` writes (the hub nam
 `model.embed_tokens`, `model.hc_head.hc_*` and the attention's kv_norm as `attn.norm`), and transformers'
 module names (`model.layers.0.self_attn.q_a_proj.weight`, experts stacked). All of them load onto the hub
 names without a prefix, because those are what DeepSeek's own inference code and every quantized release use.
-Quantized weights are dequantized to bfloat16 here; the rest keep the checkpoint's dtype.
+Quantized weights are dequantized to bfloat16 here, or kept FP8 / FP4 with their block scales (quant.py) when
+the caller asks (a GPU serving them through its kernels); the rest keep the checkpoint's dtype.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from shared.engine.config import ModelConfig
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, SLIDING, DeepseekV4Spec
+from shared.engine.quant import QUANTIZED_DTYPES, Quantized, as_dense, dequantize, quantized
+
+Tensor = torch.Tensor | Quantized  # a checkpoint tensor as loaded: plain, or kept FP8 / FP4 with its scales
 from shared.model_info import DEEPSEEK_V4, is_deepseek_v4
 
 ARCH = DEEPSEEK_V4
@@ -189,12 +192,14 @@ def _yarn(params: dict[str, Any], default_attention_factor: float | None) -> dic
     return yarn
 
 
-def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """keep_quantized: FP8 / FP4 weights stay as shipped (quant.py's types, for the GPU's kernels); otherwise
+    (the CPU path and the reference) they are dequantized to bfloat16."""
     raw = json.loads((path / "config.json").read_text())
     if not is_deepseek_v4(raw.get("model_type", ""), raw.get("architectures") or []):
         raise ValueError(f"{path}: architectures {raw.get('architectures')} do not include {ARCH}")
     spec = parse_spec(raw)
-    weights, sources = _canonical(_read(path))
+    weights, sources = _canonical(_read(path, keep_quantized))
     tie = bool(_get(raw, "tie_word_embeddings", False))
     if tie and "head.weight" not in weights and "embed.weight" in weights:
         weights["head.weight"] = weights["embed.weight"]
@@ -224,12 +229,7 @@ def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, weights
 
 
-# ---- reading and dequantizing --------------------------------------------------------------------------------
-
-_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
-_E2M1_PAIRS = torch.stack((_E2M1.repeat(16), _E2M1.repeat_interleave(16)), dim=-1)  # byte -> (low, high) values
-_FP4_DTYPES = {torch.int8} | ({torch.float4_e2m1fn_x2} if hasattr(torch, "float4_e2m1fn_x2") else set())
-_QUANTIZED_DTYPES = _FP4_DTYPES | {torch.float8_e4m3fn}
+# ---- reading (and dequantizing) ------------------------------------------------------------------------------
 
 
 def _scale_names(name: str) -> tuple[str, ...]:
@@ -238,8 +238,9 @@ def _scale_names(name: str) -> tuple[str, ...]:
     return (name.removesuffix(".weight") + ".scale", inv) if name.endswith(".weight") else (inv,)
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard, quantized ones dequantized (their scales consumed). One tensor is read at a
+def _read(path: Path, keep_quantized: bool) -> dict[str, Tensor]:
+    """Every tensor of every shard, quantized ones with their scales consumed: kept as quant.py's types
+    (keep_quantized, where the kernels can read the pair) or dequantized to bfloat16. One tensor is read at a
     time, so the peak is the output plus one quantized tensor."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -254,67 +255,26 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
                 shard[name] = handle
         scale_of = {name: s for name in shard for s in _scale_names(name) if s in shard}
         scales = set(scale_of.values())
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, Tensor] = {}
         for name, handle in shard.items():
             if name in scales:
                 continue
             tensor = handle.get_tensor(name)
             if name in scale_of:
-                tensor = dequantize(tensor, shard[scale_of[name]].get_tensor(scale_of[name]))
-            elif tensor.dtype in _QUANTIZED_DTYPES:
+                tensor = _unpacked(tensor, shard[scale_of[name]].get_tensor(scale_of[name]), keep_quantized)
+            elif tensor.dtype in QUANTIZED_DTYPES:
                 raise ValueError(f"{path}: {name} is {tensor.dtype} but has no block scale {_scale_names(name)}")
             tensors[name] = tensor
     return tensors
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Block-scaled FP8 (e4m3) or packed FP4 (e2m1, two per byte) -> bfloat16.
-
-    `scale` holds one factor per block of the trailing two dims: (..., R, C) for a (..., rows, cols) weight, as
-    float32 / bfloat16, float8_e8m0fnu, or uint8 holding e8m0 exponents (2 ** (byte - 127)). The block edges
-    come from the grid, so 128x128 FP8 blocks and FP4's 1x32 need no configuration.
-    """
-    if weight.dtype == torch.float8_e4m3fn:
-        values = weight.float()
-    elif weight.dtype in _FP4_DTYPES:
-        values = _unpack_e2m1(weight)
-    else:
-        raise ValueError(f"cannot dequantize {weight.dtype} (have float8_e4m3fn and packed e2m1)")
-    if scale.dim() < 2 or scale.shape[:-2] != values.shape[:-2]:
-        raise ValueError(f"scale grid {tuple(scale.shape)} does not fit weight {tuple(values.shape)}")
-    factors = (scale.float() - 127).exp2() if scale.dtype == torch.uint8 else scale.float()
-    return _scale_blocks(values, factors).to(torch.bfloat16)
-
-
-def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """(..., cols / 2) bytes -> (..., cols) float32; the low nibble is the even column."""
-    return _E2M1_PAIRS[packed.view(torch.uint8).long()].flatten(-2)  # (..., cols / 2, 2) -> (..., cols)
-
-
-def _scale_blocks(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """values (..., rows, cols) * factors (..., R, C) broadcast over blocks, the last blocks possibly partial.
-    Scales `values` in place: callers pass a scratch float32 copy, so a large tensor is not held twice."""
-    (rows, cols), (grid_rows, grid_cols) = values.shape[-2:], factors.shape[-2:]
-    block_rows, block_cols = _block_edge(rows, grid_rows), _block_edge(cols, grid_cols)
-    pad_rows, pad_cols = grid_rows * block_rows - rows, grid_cols * block_cols - cols
-    if pad_rows or pad_cols:
-        values = F.pad(values, (0, pad_cols, 0, pad_rows))
-    blocks = values.unflatten(-1, (grid_cols, block_cols)).unflatten(-3, (grid_rows, block_rows))  # (.., R, br, C, bc)
-    blocks.mul_(factors[..., :, None, :, None])
-    return blocks.flatten(-2).flatten(-3, -2)[..., :rows, :cols]
-
-
-def _block_edge(size: int, blocks: int) -> int:
-    """The edge b with ceil(size / b) == blocks. Several fit when `blocks` does not divide `size` (129 rows in 2
-    blocks: 65..128); checkpoints use powers of two, so the power of two that fits wins, if one does."""
-    edge = 1
-    while edge * blocks < size:
-        edge *= 2
-    if -(-size // edge) == blocks:
-        return edge
-    if size % blocks == 0:
-        return size // blocks
-    raise ValueError(f"cannot split {size} into {blocks} scale blocks")
+def _unpacked(weight: torch.Tensor, scale: torch.Tensor, keep_quantized: bool) -> Tensor:
+    if keep_quantized:
+        try:
+            return quantized(weight, scale)
+        except ValueError:  # a block layout the kernels do not read: served dequantized
+            pass
+    return dequantize(weight, scale)
 
 
 # ---- names ---------------------------------------------------------------------------------------------------
@@ -368,12 +328,15 @@ def _canonical_name(name: str) -> str:
     return f"{prefix}.{leaf}"
 
 
-def _canonical(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _canonical(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
     """(weights under hub names, hub name -> checkpoint name for error messages)."""
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Tensor] = {}
     sources: dict[str, str] = {}
     for source, tensor in tensors.items():
         name = _canonical_name(source)
+        stacked = name.endswith((".ffn.experts.gate_up_proj", ".ffn.experts.down_proj"))
+        if stacked and not isinstance(tensor, torch.Tensor):  # transformers' stacked experts: not a hub layout
+            tensor = as_dense(tensor, torch.bfloat16)
         if name.endswith(".ffn.experts.gate_up_proj"):  # (E, 2I, D) = [w1; w3] per expert
             w1, w3 = tensor.chunk(2, dim=1)
             parts = {f"{e}.{w}.weight": t[e] for w, t in (("w1", w1), ("w3", w3)) for e in range(len(tensor))}
@@ -425,7 +388,7 @@ def _expected(spec: DeepseekV4Spec) -> tuple[set[str], set[str]]:
     return required, optional
 
 
-def _check(path: Path, spec: DeepseekV4Spec, weights: dict[str, torch.Tensor], sources: dict[str, str]) -> None:
+def _check(path: Path, spec: DeepseekV4Spec, weights: dict[str, Tensor], sources: dict[str, str]) -> None:
     required, optional = _expected(spec)
     unknown = sorted({sources.get(n, n) for n in weights.keys() - required - optional})
     if unknown:

@@ -15,19 +15,20 @@ from shared.engine.loader import deepseek_v4
 from shared.model_info import is_deepseek_v4
 
 SUPPORTED = {"LlamaForCausalLM": "llama"}
-ARCH_LOADERS: dict[str, Callable[[Path], tuple[ModelConfig, dict[str, torch.Tensor]]]] = {
+ARCH_LOADERS: dict[str, Callable[..., tuple[ModelConfig, dict]]] = {
     deepseek_v4.ARCH: deepseek_v4.load,
 }
 
 
-def load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict]:
+    """keep_quantized: an architecture whose loader can keep FP8 / FP4 weights as shipped does (quant.py)."""
     raw = json.loads((path / "config.json").read_text())
     archs = raw.get("architectures") or []
     if is_deepseek_v4(raw.get("model_type", ""), archs):
         archs = [deepseek_v4.ARCH]
     own = next((ARCH_LOADERS[a] for a in archs if a in ARCH_LOADERS), None)
     if own is not None:
-        return own(path)
+        return own(path, keep_quantized=keep_quantized)
     config = _config(raw, path)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -17,7 +17,6 @@ The projections run over all T rows at once; the sliding ring, compressors and a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata, SeqSpan
 from shared.engine.kernels import HAVE_TRITON
@@ -27,6 +26,7 @@ from shared.engine.models.deepseek_v4.mhc import rms
 from shared.engine.models.deepseek_v4.rope import Rotary, rotate
 from shared.engine.models.deepseek_v4.spec import SLIDING, DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import Compressor, Layer
+from shared.engine.quant import Weight, linear
 
 if HAVE_TRITON:
     from shared.engine.models.deepseek_v4 import prefill
@@ -69,13 +69,13 @@ class Attention:
         comp = idx = None
         if layer.compressor is not None:
             c = layer.compressor
-            comp = (F.linear(x, c.wkv), F.linear(x, c.wgate))
+            comp = (linear(x, c.wkv), linear(x, c.wgate))
         if layer.indexer is not None:
             ix = layer.indexer
             ic = ix.compressor
             cq, sq = angles["compress"]
-            iq = rotate(F.linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
-            idx = (F.linear(x, ic.wkv), F.linear(x, ic.wgate), iq, F.linear(x, ix.weights_proj))
+            iq = rotate(linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
+            idx = (linear(x, ic.wkv), linear(x, ic.wgate), iq, linear(x, ix.weights_proj))
         if batch is not None:
             out = decode.attend(self, i, layer, batch, kv, q, k, comp, idx, self.triton)
             return output(out, cos, sin, layer.wo_a, layer.wo_b, s.o_groups)
@@ -193,24 +193,27 @@ class Attention:
         return store[span.block_table[(e // kv.block_tokens).long()], (e % kv.block_tokens) // m]
 
 
-def query_key(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor, wkv: torch.Tensor,
+def query_key(x: torch.Tensor, wq_a: Weight, q_norm: torch.Tensor, wq_b: Weight, wkv: Weight,
               kv_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (T, D) -> the query's low-rank residual (T, q_lora_rank), the rotated queries (T, H, d) and this
     token's rotated key = value (T, d)."""
     T = x.shape[0]
-    q_res = rms(F.linear(x, wq_a), q_norm, eps)
-    q = rotate(rms(F.linear(q_res, wq_b).view(T, heads, -1), None, eps), cos, sin)
-    k = rotate(rms(F.linear(x, wkv), kv_norm, eps), cos, sin)
+    q_res = rms(linear(x, wq_a), q_norm, eps)
+    q = rotate(rms(linear(q_res, wq_b).view(T, heads, -1), None, eps), cos, sin)
+    k = rotate(rms(linear(x, wkv), kv_norm, eps), cos, sin)
     return q_res, q, k
 
 
-def output(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+def output(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: Weight, wo_b: Weight,
            groups: int) -> torch.Tensor:
     """(T, H, d) attention output, still rotated -> (T, D): undo the rotation V carried (at the query's
     position), then per group of heads wo_a, then wo_b over the groups."""
     out = rotate(out, cos, -sin)
     T, H, d = out.shape
-    grouped = torch.bmm(out.reshape(T, groups, -1).transpose(0, 1), wo_a.view(groups, -1, d * H // groups)
-                        .transpose(1, 2))  # (G, T, o_lora_rank)
-    return F.linear(grouped.transpose(0, 1).reshape(T, -1), wo_b)
+    if isinstance(wo_a, torch.Tensor):
+        grouped = torch.bmm(out.reshape(T, groups, -1).transpose(0, 1), wo_a.view(groups, -1, d * H // groups)
+                            .transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # (G, T, o_lora_rank) -> (T, G rank)
+    else:  # FP8: one grouped GEMM launch (each group's rows whole scale blocks: weights.py keeps it FP8 only then)
+        grouped = linear(out.reshape(T, -1), wo_a, groups)  # (T, G o_lora_rank)
+    return linear(grouped, wo_b)

@@ -14,7 +14,6 @@ in float32, whatever the weight dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata
 from shared.engine.config import ModelConfig
@@ -29,6 +28,7 @@ from shared.engine.models.deepseek_v4.moe import moe
 from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import HcParams, load
 from shared.engine.ops import Ops
+from shared.engine.quant import linear
 
 
 class DeepseekV4:
@@ -42,7 +42,7 @@ class DeepseekV4:
         self.cache: V4Cache | None = None
         # Triton kernels where they replace long chains of tiny torch ops (the rest is the torch path)
         self.triton = ops is not None and ops.name == "triton" and spec.hc_mult & (spec.hc_mult - 1) == 0
-        self.weights = load(spec, weights, device, dtype)
+        self.weights = load(spec, weights, device, dtype, quantized=self.triton)  # FP8 / FP4 kept for the kernels
         self.layers = self.weights.layers
         self.mtp = self.weights.mtp
         self.attention = Attention(spec, device, triton=self.triton)
@@ -104,7 +104,7 @@ class DeepseekV4:
 
     def head_logits(self, streams: torch.Tensor, hc: HcParams, norm: torch.Tensor) -> torch.Tensor:
         x = hc_head(self.spec, streams, hc)
-        return F.linear(rms(x, norm, self.spec.rms_eps), self.weights.head).float()
+        return linear(rms(x, norm, self.spec.rms_eps), self.weights.head).float()
 
     # --- CUDA graphs (graphs.py) ------------------------------------------------------------------------------
 

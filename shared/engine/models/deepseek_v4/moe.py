@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from shared.engine.kernels import HAVE_TRITON
 from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import Experts, Layer
+from shared.engine.quant import linear
 
 if HAVE_TRITON:
     from shared.engine.kernels.moe import fused_moe
@@ -61,7 +62,8 @@ def fused(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, chosen: torch.Tensor
           ) -> torch.Tensor:
     """The Triton path: routed experts and (when it has their width) the shared expert in the same launches."""
     ex, sh = layer.experts, layer.shared
-    rides = sh is not None and sh.w13.shape[1:] == ex.w13.shape[1:]
+    # it rides along only in the experts' own format (FP4 experts with an FP8 shared expert: two launches more)
+    rides = sh is not None and sh.w13.shape[1:] == ex.w13.shape[1:] and type(sh.w13) is type(ex.w13)
     out = fused_moe(x, chosen, weights, ex.w13, ex.w2, s.swiglu_limit, (sh.w13[0], sh.w2[0]) if rides else None)
     if sh is not None and not rides:  # several shared experts stacked into one wider SwiGLU
         out = out + shared_expert(sh, x, s.swiglu_limit)
@@ -75,7 +77,7 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 
 def shared_expert(ex: Experts, x: torch.Tensor, limit: float) -> torch.Tensor:
     """Every row through the one shared expert: a dense SwiGLU."""
-    return F.linear(swiglu(F.linear(x, ex.w13[0]), limit), ex.w2[0])
+    return linear(swiglu(linear(x, ex.w13[0]), limit), ex.w2[0])
 
 
 def experts(ex: Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, limit: float

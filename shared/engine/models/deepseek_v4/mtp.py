@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata, SeqSpan
 from shared.engine.models.deepseek_v4.cache import V4Cache
 from shared.engine.models.deepseek_v4.mhc import hc_post, hc_pre, rms
 from shared.engine.models.deepseek_v4.moe import moe
+from shared.engine.quant import linear
 
 if TYPE_CHECKING:
     from shared.engine.models.deepseek_v4.model import DeepseekV4
@@ -69,7 +69,7 @@ def block(model: DeepseekV4, kv: V4Cache, request_id: str, h: torch.Tensor, toke
     n = h.shape[0]
     positions = torch.arange(first, first + n, device=h.device)
     e = rms(model.weights.embed[tokens], m.enorm, s.rms_eps)
-    streams = F.linear(e, m.e_proj).unsqueeze(1) + F.linear(rms(h, m.hnorm, s.rms_eps), m.h_proj)
+    streams = linear(e, m.e_proj).unsqueeze(1) + linear(rms(h, m.hnorm, s.rms_eps), m.h_proj)
     angles = {"main": model.attention.rope_main.angles(positions)}
     span = SeqSpan(0, n, first + n, torch.zeros(0, dtype=torch.long), request_id)
     meta = AttentionMetadata(positions, [span])

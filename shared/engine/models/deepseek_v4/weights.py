@@ -3,6 +3,11 @@
 Expert weights are stacked per layer ((E, 2 I, D) gate rows then up rows, and (E, D, I)), so a batch can index
 them by expert id. Everything numerically sensitive (norm weights, mHC parameters, sinks, position biases)
 is kept in float32 whatever the weight dtype.
+
+With `quantized` (the model runs its Triton kernels) the linears a kernel reads quantized stay as the checkpoint
+gave them: FP8 attention projections, compressors, indexer, shared expert, MTP projections and head (kernels/
+fp8_gemm.py), FP4 routed experts (kernels/moe.py). Anything else quantized (an FP8 routed expert, a router, an
+embedding) is dequantized here, as every weight is on the torch path.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec
+from shared.engine.quant import Fp4Weight, Fp8Weight, Weight, as_dense
 
 
 @dataclass(frozen=True)
 class Compressor:
-    wkv: torch.Tensor  # (C, D): C = 2 d for CSA (Ca | Cb), d for HCA
-    wgate: torch.Tensor  # (C, D)
+    wkv: Weight  # (C, D): C = 2 d for CSA (Ca | Cb), d for HCA
+    wgate: Weight  # (C, D)
     ape: torch.Tensor  # (m, C) float32 position bias inside a window
     norm: torch.Tensor  # (d,) float32
     ratio: int
@@ -27,14 +33,14 @@ class Compressor:
 @dataclass(frozen=True)
 class Indexer:
     compressor: Compressor
-    wq_b: torch.Tensor  # (heads * index_head_dim, q_lora_rank)
-    weights_proj: torch.Tensor  # (heads, D)
+    wq_b: Weight  # (heads * index_head_dim, q_lora_rank)
+    weights_proj: Weight  # (heads, D)
 
 
 @dataclass(frozen=True)
 class Experts:
-    w13: torch.Tensor  # (E, 2 I, D): gate rows then up rows
-    w2: torch.Tensor  # (E, D, I)
+    w13: Weight  # (E, 2 I, D): gate rows then up rows (plain or FP4; the shared expert plain or FP8)
+    w2: Weight  # (E, D, I)
 
 
 HcParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn ((2 + hc) hc, hc D), base, scale (3,)
@@ -47,13 +53,13 @@ class Layer:
     hc_ffn: HcParams
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    wq_a: torch.Tensor
+    wq_a: Weight
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: Weight
+    wkv: Weight
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # (G * o_lora_rank, H * d / G)
-    wo_b: torch.Tensor  # (D, G * o_lora_rank)
+    wo_a: Weight  # (G * o_lora_rank, H * d / G); FP8 only when a group's rows are whole scale blocks
+    wo_b: Weight  # (D, G * o_lora_rank)
     sinks: torch.Tensor  # (H,) float32
     compressor: Compressor | None
     indexer: Indexer | None
@@ -70,8 +76,8 @@ class Mtp:
     token j + 1 and predicts token j + 2, through one more (window-only) block and its own head collapse."""
 
     layer: Layer
-    e_proj: torch.Tensor  # (D, D)
-    h_proj: torch.Tensor  # (D, D)
+    e_proj: Weight  # (D, D)
+    h_proj: Weight  # (D, D)
     enorm: torch.Tensor
     hnorm: torch.Tensor
     norm: torch.Tensor
@@ -81,33 +87,53 @@ class Mtp:
 @dataclass(frozen=True)
 class V4Weights:
     embed: torch.Tensor
-    head: torch.Tensor
+    head: Weight
     norm: torch.Tensor
     hc_head: HcParams
     layers: list[Layer]
     mtp: Mtp | None  # None: the checkpoint has no (window-only) MTP layer
 
 
-def load(spec: DeepseekV4Spec, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
-         ) -> V4Weights:
-    def w(name: str, keep_fp32: bool = False) -> torch.Tensor:
+def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device, dtype: torch.dtype,
+         quantized: bool = False) -> V4Weights:
+    """quantized: keep the FP8 linears and FP4 routed experts the checkpoint has as they are (Triton kernels)."""
+
+    def got(name: str) -> Weight:
         if name not in weights:
             raise ValueError(f"checkpoint has no tensor {name}")
-        return weights[name].to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        return weights[name]
+
+    def w(name: str, keep_fp32: bool = False) -> torch.Tensor:
+        return as_dense(got(name), torch.float32 if keep_fp32 else dtype).to(device)
 
     def f32(name: str) -> torch.Tensor:
         return w(name, keep_fp32=True)
+
+    def lin(name: str, row_groups: int = 1) -> Weight:
+        """A linear: FP8 kept when quantized (and each of row_groups slices is whole blocks), else dense."""
+        t = got(name)
+        kept = quantized and isinstance(t, Fp8Weight)
+        if kept and row_groups > 1:  # wo_a: attention.output slices it per group, on block edges
+            kept = (t.shape[0] // row_groups) % t.block[0] == 0
+        return t.to(device) if kept else w(name)
 
     def hc(p: str) -> HcParams:
         return f32(p + "_fn"), f32(p + "_base"), f32(p + "_scale")
 
     def compressor(p: str, ratio: int, overlap: bool) -> Compressor:
-        return Compressor(w(p + "wkv.weight"), w(p + "wgate.weight"), f32(p + "ape"), f32(p + "norm.weight"),
+        return Compressor(lin(p + "wkv.weight"), lin(p + "wgate.weight"), f32(p + "ape"), f32(p + "norm.weight"),
                           ratio, overlap)
 
-    def experts(p: str, names: list[str]) -> Experts:
-        w13 = torch.stack([torch.cat([w(f"{p}{e}.w1.weight"), w(f"{p}{e}.w3.weight")]) for e in names])
-        return Experts(w13, torch.stack([w(f"{p}{e}.w2.weight") for e in names]))
+    def experts(p: str, names: list[str], kind: type) -> Experts:
+        """Stacked (E, 2 I, D) and (E, D, I), kept quantized when every part is of `kind` (FP4 routed, FP8
+        shared) with one block layout and the gate rows end on a block edge."""
+        ups = [(got(f"{p}{e}.w1.weight"), got(f"{p}{e}.w3.weight")) for e in names]
+        downs = [got(f"{p}{e}.w2.weight") for e in names]
+        parts = [t for pair in ups for t in pair] + downs
+        if quantized and _stackable(parts, kind):
+            return Experts(_stack([_cat_rows(*pair) for pair in ups]).to(device), _stack(downs).to(device))
+        w13 = torch.stack([torch.cat([as_dense(a, dtype), as_dense(b, dtype)]) for a, b in ups]).to(device)
+        return Experts(w13, torch.stack([as_dense(t, dtype) for t in downs]).to(device))
 
     def layer(p: str, kind: str, ratio: int, hashed: bool) -> Layer:
         a = p + "attn."
@@ -117,17 +143,17 @@ def load(spec: DeepseekV4Spec, weights: dict[str, torch.Tensor], device: torch.d
             hc_ffn=hc(p + "hc_ffn"),
             attn_norm=f32(p + "attn_norm.weight"),
             ffn_norm=f32(p + "ffn_norm.weight"),
-            wq_a=w(a + "wq_a.weight"), q_norm=f32(a + "q_norm.weight"), wq_b=w(a + "wq_b.weight"),
-            wkv=w(a + "wkv.weight"), kv_norm=f32(a + "kv_norm.weight"),
-            wo_a=w(a + "wo_a.weight"), wo_b=w(a + "wo_b.weight"), sinks=f32(a + "attn_sink"),
+            wq_a=lin(a + "wq_a.weight"), q_norm=f32(a + "q_norm.weight"), wq_b=lin(a + "wq_b.weight"),
+            wkv=lin(a + "wkv.weight"), kv_norm=f32(a + "kv_norm.weight"),
+            wo_a=lin(a + "wo_a.weight", spec.o_groups), wo_b=lin(a + "wo_b.weight"), sinks=f32(a + "attn_sink"),
             compressor=compressor(a + "compressor.", ratio, kind == CSA) if kind != SLIDING else None,
-            indexer=Indexer(compressor(a + "indexer.compressor.", ratio, True), w(a + "indexer.wq_b.weight"),
-                            w(a + "indexer.weights_proj.weight")) if kind == CSA else None,
+            indexer=Indexer(compressor(a + "indexer.compressor.", ratio, True), lin(a + "indexer.wq_b.weight"),
+                            lin(a + "indexer.weights_proj.weight")) if kind == CSA else None,
             gate=w(p + "ffn.gate.weight"),
             gate_bias=None if hashed else f32(p + "ffn.gate.bias"),
             tid2eid=weights[p + "ffn.gate.tid2eid"].to(device=device, dtype=torch.long) if hashed else None,
-            experts=experts(p + "ffn.experts.", [str(e) for e in range(spec.num_experts)]),
-            shared=experts(p + "ffn.", ["shared_experts"]) if spec.num_shared_experts else None,
+            experts=experts(p + "ffn.experts.", [str(e) for e in range(spec.num_experts)], Fp4Weight),
+            shared=experts(p + "ffn.", ["shared_experts"], Fp8Weight) if spec.num_shared_experts else None,
         )
 
     layers = [layer(f"layers.{i}.", kind, ratio, i < spec.hash_layers)
@@ -137,6 +163,28 @@ def load(spec: DeepseekV4Spec, weights: dict[str, torch.Tensor], device: torch.d
     mtp = None
     if spec.num_mtp_layers and spec.mtp_kinds[0] == SLIDING:
         p = "mtp.0."
-        mtp = Mtp(layer(p, SLIDING, 0, False), w(p + "e_proj.weight"), w(p + "h_proj.weight"),
+        mtp = Mtp(layer(p, SLIDING, 0, False), lin(p + "e_proj.weight"), lin(p + "h_proj.weight"),
                   f32(p + "enorm.weight"), f32(p + "hnorm.weight"), f32(p + "norm.weight"), hc(p + "hc_head"))
-    return V4Weights(w("embed.weight"), w("head.weight"), f32("norm.weight"), hc("hc_head"), layers, mtp)
+    return V4Weights(w("embed.weight"), lin("head.weight"), f32("norm.weight"), hc("hc_head"), layers, mtp)
+
+
+def _stackable(parts: list[Weight], kind: type) -> bool:
+    if not all(isinstance(t, kind) for t in parts):
+        return False
+    blocks = {t.block for t in parts}  # type: ignore[union-attr]
+    if len(blocks) != 1:
+        return False
+    block = blocks.pop()
+    # FP8's 2-D blocks: the gate rows (w1) must end on a block edge for [w1; w3] to be one block grid
+    return kind is not Fp8Weight or parts[0].shape[0] % block[0] == 0
+
+
+def _cat_rows(a: Fp8Weight | Fp4Weight, b: Fp8Weight | Fp4Weight) -> Fp8Weight | Fp4Weight:
+    """[a; b] along the rows (w1 then w3), scales alike (FP4: per row; FP8: a ends on a block edge)."""
+    return type(a)(torch.cat([a.data, b.data]), torch.cat([a.scale, b.scale]), a.block)
+
+
+def _stack(parts: list) -> Fp8Weight | Fp4Weight:
+    """(E, ...) from E quantized matrices of one layout."""
+    return type(parts[0])(torch.stack([t.data for t in parts]), torch.stack([t.scale for t in parts]),
+                          parts[0].block)
