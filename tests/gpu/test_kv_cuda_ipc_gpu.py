@@ -4,6 +4,7 @@ device; the bytes are the producer's, and the producer's buffer is untouched by 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -115,18 +116,24 @@ async def test_a_hand_over_by_cuda_ipc_lands_the_producers_blocks_and_ends_it(tm
     producer = subprocess.Popen([sys.executable, "-c", HANDOVER_PRODUCER, server.url], stdout=subprocess.PIPE,
                                 text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
     try:
-        assert producer.stdout is not None and producer.stdout.readline().strip() == "ready"
+        assert producer.stdout is not None
+        out = producer.stdout
+
+        async def line(what: str) -> str:  # bounded: a stuck producer fails the test, naming the step
+            return await asyncio.wait_for(asyncio.to_thread(out.readline), 60)
+
+        assert (await line("ready")).strip() == "ready"
         bus = await Bus.connect(server.url, "gpu-decode")
         dst = llama_cache(seed=9)
         puller = PeerPuller(bus, dst.block_bytes, message_bytes=4 << 20, via=["cuda-ipc", "shm"], device="cuda")
-        pulled = await puller.pull("gpu-prefill", "r", KEYS, 2)  # decode holds blocks 0 and 1 itself
+        pulled = await asyncio.wait_for(puller.pull("gpu-prefill", "r", KEYS, 2), 60)  # decode holds 0 and 1
         assert puller.counts["peer_blocks_cuda"] == len(KEYS) - 2 and pulled.snapshot is not None
         dst.write_blocks(list(range(2, len(KEYS))), pulled.blocks)
         want = llama_cache(seed=5)
         assert torch.equal(dst.kv[:, :, 2:], want.kv[:, :, 2:])
         assert not torch.equal(dst.kv[:, :, :2], want.kv[:, :, :2])  # not pulled: decode's own
-        assert producer.stdout.readline().startswith("ended")  # decode said done once its copy was in
-        await bus.drain()
+        assert (await line("ended")).startswith("ended")  # decode said done once its copy was in
+        await asyncio.wait_for(bus.drain(), 30)
     finally:
         producer.kill()
         producer.wait()
