@@ -178,6 +178,9 @@ class CudaImporter:
             own = torch.empty(desc.handle.nbytes, dtype=torch.uint8, device=self.device)
             own.copy_(peer)  # one device-to-device copy (peer to peer between two GPUs)
             torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError:  # no room for the copy on this GPU now: through the host instead
+            log.info("no GPU memory for a %d MiB hand-over copy: through the host", desc.handle.nbytes >> 20)
+            return None
         finally:
             del peer  # the peer's memory is its own again (torch's IPC counter)
         return own
