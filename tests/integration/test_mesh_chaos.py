@@ -180,3 +180,26 @@ def test_a_decode_worker_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -
     assert ended["ended_expired"] == 0, ended
     assert any("resuming from" in line for line in (mesh.state_dir / "logs" / "recipe-0.log").read_text().splitlines())
 
+
+def test_a_recipe_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -> None:
+    """The recipe (the mesh's only one) SIGKILLed while every stream is under way: the launcher restarts it, the
+    gateway hands each request to it with what its client has (the tokens behind the frames relayed, the seed),
+    and each stream goes on from there with exactly the fault-free text. (The last test: the recipe's restart
+    must not overlap a worker's.)"""
+    bodies = workload(STREAMS, MAX_TOKENS, tag="recipe")
+    log = mesh.state_dir / "logs" / "recipe-0.log"
+
+    async def kill_the_recipe(streams: Sequence[Streamed]) -> None:
+        await until_started(streams, 2)  # every stream has text: the recipe holds them all
+        os.kill(instance_pid(str(mesh.state_dir), "recipe-0"), signal.SIGKILL)
+
+    async def scenario() -> tuple[list[Streamed], list[Streamed]]:
+        await until_workers(mesh.nats_url, "decode", 2)
+        await until_workers(mesh.nats_url, "prefill", 2)
+        baseline = await stream_all(mesh.base_url, bodies)
+        return baseline, await stream_all(mesh.base_url, bodies, during=kill_the_recipe)
+
+    baseline, faulted = asyncio.run(scenario())
+    _check(baseline, faulted, MAX_TOKENS)
+    assert "taken over from a recipe that died" in log.read_text()
+    _nothing_left(mesh, "")
