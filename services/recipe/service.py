@@ -186,7 +186,10 @@ class RecipeService:
         if req.api not in APIS:
             return _refuse(openai_error(404, f"API {req.api!r} is not supported", code="unsupported_api"))
         if req.request_id in self._flights:
-            return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
+            if req.resume is None:
+                return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
+            # the gateway took this recipe for dead (silent, not gone): its copy goes, the takeover starts afresh
+            self._drop(req.request_id)
         body: bytes | dict = req.body
         intent: StoreIntent | None = None
         if req.api == "responses":
@@ -321,8 +324,8 @@ class RecipeService:
         self.takeovers += 1
         log.warning("%s: taken over from a recipe that died; resuming from %d tokens (recipe %d of the request)",
                     rid, len(resume.token_ids), resume.epoch + 1)
+        continuation = flight.resume(time.time())  # first: the Cancel below must find this flight past it
         await self._bus.publish(subjects.CANCEL, Cancel(rid, "recipe lost", worker_id=EVERY_WORKER, migration=past))
-        continuation = flight.resume(time.time())
         await self._bus.submit(subjects.ROUTE_PREFILL, continuation, msg_id=f"{rid}:m{continuation.migration}")
 
     # --- the output side -----------------------------------------------------------------------------------
@@ -390,6 +393,13 @@ class RecipeService:
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason=out.cancel))
 
     async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+        if cancel.worker_id == EVERY_WORKER:
+            # another recipe took the request over from this one (taken for dead while only silent): this copy
+            # goes quietly; the one that took over is past the migration named and stays
+            flight = self._flights.get(cancel.request_id)
+            if flight is not None and flight.migration <= cancel.migration and self._drop(cancel.request_id):
+                log.warning("%s: taken over by another recipe", cancel.request_id)
+            return
         if cancel.worker_id:
             return  # one worker letting go of a request that moved on: the request itself goes on
         if self._drop(cancel.request_id):

@@ -281,12 +281,15 @@ async def test_a_lost_worker_resumes_the_stream_exactly_and_a_bounded_number_of_
     assert mesh.work.empty() and mesh.recipe.migrations == 3
 
 
-async def test_a_request_whose_recipe_died_is_taken_over_from_what_the_client_has(mesh: Mesh) -> None:
+@pytest.mark.parametrize("forgotten", [True, False], ids=["another-recipe", "the-silent-one-itself"])
+async def test_a_request_whose_recipe_died_is_taken_over_from_what_the_client_has(mesh: Mesh, forgotten: bool
+                                                                                   ) -> None:
     """The gateway hands a request whose recipe died to another (here the same service, which forgets it first:
-    a process that never knew it) with what the client has: the events' tokens, the reply's seed (drawn by the
-    recipe: the client gave none) and creation time. The new recipe ends the runs the lost one may have left on
-    every worker (past any migration it could have started), submits the continuation after the client's last
-    token, and its events (epoch 1, seq from 0) carry only what follows: no token repeated, none missing."""
+    a process that never knew it; or, not forgotten, the recipe taken for dead while only silent, whose own copy
+    goes) with what the client has: the events' tokens, the reply's seed (drawn by the recipe: the client gave
+    none) and creation time. The new recipe ends the runs the lost one may have left on every worker (past any
+    migration it could have started), submits the continuation after the client's last token, and its events
+    (epoch 1, seq from 0) carry only what follows: no token repeated, none missing."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to eight."}], "stream": True,
             "max_tokens": 40, "temperature": 0.7}
     rid, reply, events = await mesh.prepare("chat", body)
@@ -299,7 +302,8 @@ async def test_a_request_whose_recipe_died_is_taken_over_from_what_the_client_ha
     while sum(len(e.token_ids) for e in before) < 5:
         before.append(await asyncio.wait_for(events.get(), 5.0))
     assert [t for e in before for t in e.token_ids] == ids[:5] and {e.epoch for e in before} == {0}
-    mesh.recipe._drop(rid)  # the recipe that had it is gone
+    if forgotten:
+        mesh.recipe._drop(rid)  # the recipe that had it is gone
 
     resume = Resume(reply.seed, reply.created, ids[:5], 0, migration=0, epoch=1)
     again = PrepareRequest(rid, "chat", orjson.dumps(body), "", resume=resume)
@@ -317,6 +321,26 @@ async def test_a_request_whose_recipe_died_is_taken_over_from_what_the_client_ha
     assert _content(before) + _content(after) == " one two three four five six seven eight"
     assert after[-1].status == 200 and after[-1].output_tokens == len(ids)
     assert mesh.recipe.takeovers == 1
+
+
+async def test_a_recipe_whose_request_another_took_over_lets_it_go_quietly(mesh: Mesh) -> None:
+    """Another recipe took the request over from this one (taken for dead while only silent): the takeover's
+    Cancel for every worker, past this copy's migration, drops it here without an event or a Cancel of its own
+    (a plain Cancel, for a stop string say, would end the copy that took over)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 9}
+    rid, reply, events = await mesh.prepare("chat", body)
+    await asyncio.wait_for(mesh.work.get(), 5.0)
+    await mesh.bus.publish(subjects.CANCEL, Cancel(rid, "recipe lost", worker_id=EVERY_WORKER, migration=2))
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, "recipe lost", worker_id=EVERY_WORKER,
+                                                                     migration=2)  # (the test's own, seen)
+    for _ in range(100):  # (a bound on a failure)
+        if rid not in mesh.recipe._flights:
+            break
+        await asyncio.sleep(0.05)
+    assert rid not in mesh.recipe._flights
+    await mesh.tokens(rid, TokenEvent(rid, 0, mesh.tokenizer.encode(" one"), "stop", reply.prompt_tokens))
+    await asyncio.sleep(0.3)  # what it would send, had it kept the request
+    assert events.empty() and mesh.cancels.empty()
 
 
 async def test_a_request_finished_by_the_run_it_moved_past_cancels_its_continuation(mesh: Mesh) -> None:
