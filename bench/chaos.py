@@ -18,8 +18,8 @@ the reference answer of the same request:
 
 A scenario is an async function in SCENARIOS: it gets the mesh and the load's live streams, strikes once when
 it chooses, and returns a line saying what it did. After each, the bench waits until the mesh has every worker
-back, so scenarios do not overlap (nats-kill: a NATS restart). Add one by writing the function and naming it
-there.
+back and serves (/health), so scenarios do not overlap (nats-kill: a NATS restart; recipe-kill: the recipe's).
+Add one by writing the function and naming it there.
 
     .venv/bin/python bench/chaos.py [--requests 24] [--concurrency 6] [--max-tokens 32] [--scenarios decode-kill]
 """
@@ -86,17 +86,37 @@ async def prefill_kill(mesh: Mesh, streams: Sequence[Streamed]) -> str:
 
 
 async def nats_kill(mesh: Mesh, streams: Sequence[Streamed]) -> str:
-    """SIGKILL the stack's nats-server once every stream so far has sent text: the launcher restarts it on its
-    kept port, the services reconnect, and the streams resume from the replayed token messages."""
+    """SIGKILL the stack's nats-server once every stream in flight has sent text: the launcher restarts it on its
+    kept port, the services reconnect, and the streams resume from the replayed token messages. (`streams` holds
+    every request of the load, those not sent yet too: only the ones in flight count.)"""
     deadline = time.monotonic() + 60
-    while not (streams and all(s.chunks for s in streams)) and time.monotonic() < deadline:
+    flying: list[Streamed] = []
+    while time.monotonic() < deadline:
+        flying = [s for s in streams if s.started and not s.ended]
+        if flying and all(s.chunks for s in flying):
+            break
         await asyncio.sleep(0.05)
     pid = nats_server_pid(Path(mesh.state_dir))
     os.kill(pid, signal.SIGKILL)
-    return f"SIGKILL nats-server (pid {pid}, {len(streams)} streams started)"
+    return f"SIGKILL nats-server (pid {pid}, {len(flying)} streams in flight)"
 
 
-SCENARIOS: dict[str, Scenario] = {"decode-kill": decode_kill, "prefill-kill": prefill_kill, "nats-kill": nats_kill}
+async def recipe_kill(mesh: Mesh, streams: Sequence[Streamed]) -> str:
+    """SIGKILL the recipe once every stream in flight has sent text: the launcher restarts it and the gateway
+    hands it each request with what its client has (PrepareRequest.resume); the streams go on from there."""
+    deadline = time.monotonic() + 60
+    flying: list[Streamed] = []
+    while time.monotonic() < deadline:
+        flying = [s for s in streams if s.started and not s.ended]
+        if flying and all(s.chunks for s in flying):
+            break
+        await asyncio.sleep(0.05)
+    os.kill(instance_pid(str(mesh.state_dir), "recipe-0"), signal.SIGKILL)
+    return f"SIGKILL recipe-0 ({len(flying)} streams in flight)"
+
+
+SCENARIOS: dict[str, Scenario] = {"decode-kill": decode_kill, "prefill-kill": prefill_kill, "nats-kill": nats_kill,
+                                  "recipe-kill": recipe_kill}
 
 
 @dataclass
@@ -203,7 +223,21 @@ async def bench(args: argparse.Namespace, mesh: Mesh) -> list[Row]:
         print(table(rows[-1:]).splitlines()[-1], flush=True)
         await until_workers(mesh.nats_url, "prefill", 2)  # the launcher restarts the victim
         await until_workers(mesh.nats_url, "decode", 2)
+        await until_ready(mesh.base_url)  # (a restarted recipe too)
     return rows
+
+
+async def until_ready(base_url: str, timeout_s: float = 180.0) -> None:
+    """Wait until the gateway's /health says the mesh can serve (a recipe, a balancer, every worker role)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{base_url}/health") as r:
+                if r.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the mesh is not ready after {timeout_s:.0f} s")
+            await asyncio.sleep(0.5)
 
 
 def main() -> None:

@@ -20,11 +20,11 @@ PRESENCE_TIMEOUT_S = 3.0  # silent this long: gone (the balancer's default --wor
 
 async def announce_forever(
     bus: Bus, service: str, instance: str, models: Sequence[str] = (), interval: float = PRESENCE_INTERVAL_S,
-    aliases: Mapping[str, str] | None = None,
+    aliases: Mapping[str, str] | None = None, boot: str = "",
 ) -> None:
     while True:
         try:
-            presence = Presence(service, instance, list(models), time.time(), dict(aliases or {}))
+            presence = Presence(service, instance, list(models), time.time(), dict(aliases or {}), boot)
             await bus.publish(subjects.PRESENCE, presence)
         except Exception as exc:  # reconnecting: the gateway sees a gap, as it would for a worker
             log.debug("presence not sent: %s", exc)

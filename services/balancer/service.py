@@ -294,7 +294,8 @@ class BalancerService:
                 except Exception:
                     log.exception("re-routing %s failed", lost.request_id)
             reason = "re-routed" if worker is not None else "worker lost"
-            moved = Cancel(lost.request_id, reason, worker_id=lost.worker_id, migration=lost.migration)
+            moved = Cancel(lost.request_id, reason, worker_id=lost.worker_id, migration=lost.migration,
+                           role=lost.role)
             self._lost_on.setdefault(lost.worker_id, {})[lost.request_id] = (now, moved)
             assert self._bus is not None
             await self._bus.publish(subjects.CANCEL, moved)

@@ -66,6 +66,7 @@ def build_app(
         prepare_timeout_s=config.request_timeout_s,
         event_timeout_s=config.event_timeout_s,
         max_body_bytes=config.max_body_bytes,
+        fleet=fleet,
     )
     models_handler = ModelsHandler(models, created=int(time.time()), bus=bus)
     ops = OpsHandler(lambda: bus.connected, pumps, metrics, readiness, scrapes)

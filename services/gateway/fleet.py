@@ -22,12 +22,19 @@ class Fleet:
         self.timeout_s = timeout_s
         self._workers: dict[str, tuple[float, Heartbeat]] = {}  # worker id -> (heard at, latest beat)
         self._services: dict[tuple[str, str], tuple[float, Presence]] = {}  # (service, instance) -> ...
+        self._boots: dict[str, float] = {}  # a service process's Presence.boot -> when last heard
 
     def heard_worker(self, beat: Heartbeat, now: float) -> None:
         self._workers[beat.worker_id] = (now, beat)
 
     def heard_service(self, presence: Presence, now: float) -> None:
         self._services[(presence.service, presence.instance)] = (now, presence)
+        if presence.boot:
+            self._boots[presence.boot] = now
+
+    def last_heard(self, boot: str) -> float | None:
+        """When the service process `boot` was last heard (None: not for a while, or never)."""
+        return self._boots.get(boot)
 
     def workers(self, now: float) -> list[Heartbeat]:
         """The latest heartbeat of every live worker, by id."""
@@ -55,3 +62,5 @@ class Fleet:
         cutoff = now - self.timeout_s
         self._workers = {k: seen for k, seen in self._workers.items() if seen[0] >= cutoff}
         self._services = {k: seen for k, seen in self._services.items() if seen[0] >= cutoff}
+        if len(self._boots) > 2 * len(self._services) + 16:  # processes gone long ago (restarts): bounded memory
+            self._boots = {b: at for b, at in self._boots.items() if at >= now - 60 * self.timeout_s}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from shared import subjects
 from shared.bus import Bus, Envelope, Subscription
-from shared.schemas.gateway import ApiEvent
+from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest, Resume
 
 if TYPE_CHECKING:
     from services.gateway.metrics import RequestMeter
@@ -55,9 +55,22 @@ class PumpAborted(Exception):
 
 
 class EventPump:
+    """One request's events, and what the gateway holds of it should its recipe die: the recipe that took it
+    (`accepted`), the engine tokens behind every event handed out, the latest migration: a Resume for another
+    recipe. Events of an earlier recipe (`epoch`) are dropped once another took over."""
+
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._reorder = Reorder()
+        self.prepare: PrepareRequest | None = None  # what the recipe was asked
+        self.recipe = ""  # the boot of the recipe process that has the request ("" = none yet)
+        self.accepted_at = 0.0  # monotonic time it took it
+        self.seed = 0
+        self.created = 0
+        self.epoch = 0
+        self.token_ids: list[int] = []
+        self.cached_tokens = 0
+        self.migration = 0
         self._ready: asyncio.Queue[ApiEvent | PumpAborted] = asyncio.Queue()
         self._aborted: PumpAborted | None = None
         self._sub: Subscription | None = None
@@ -79,8 +92,25 @@ class EventPump:
             log.debug("unsubscribe %s: %s", self.request_id, exc)
 
     async def _on_event(self, event: ApiEvent, _: Envelope) -> None:
+        if event.epoch != self.epoch:
+            return  # from a recipe taken for dead (or one that took over before this pump knows)
         for ready in self._reorder.push(event):
+            self.token_ids += ready.token_ids
+            self.cached_tokens = max(self.cached_tokens, ready.cached_tokens)
+            self.migration = max(self.migration, ready.migration)
             self._ready.put_nowait(ready)
+
+    def accepted(self, reply: PrepareReply, now: float) -> None:
+        """A recipe took the request (first, or over from a dead one)."""
+        self.recipe, self.accepted_at = reply.recipe, now
+        if self.epoch == 0:
+            self.seed, self.created = reply.seed, reply.created
+
+    def resume(self) -> Resume:
+        """What the next recipe needs to go on; from now on only its events count (their seq starts again)."""
+        self.epoch += 1
+        self._reorder = Reorder()
+        return Resume(self.seed, self.created, list(self.token_ids), self.cached_tokens, self.migration, self.epoch)
 
     def abort(self, reason: str) -> None:
         self._aborted = PumpAborted(reason)

@@ -22,7 +22,7 @@ from shared.worker.kv_peer import Handovers
 from shared.worker.kv_cuda_ipc import CudaExporter
 from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MiB
-from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, TokenEvent, TokenLogprob
+from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, PrefillJob, TokenEvent, TokenLogprob
 from shared.schemas.kv_peer import KvPeerDone, KvPeerPull
 from shared.worker import short_term
 from shared.worker.config import WorkerConfig
@@ -98,7 +98,7 @@ class PrefillService(EngineWorker):
                 # Decode pulls the KV from here while the store gets it: the job leaves now, before the first
                 # token (a worker that dies once the client has its first token has handed the job on), under
                 # the snapshot's key to be (content-addressed: decode's fallback finds it once stored).
-                self.handovers.open(req.request_id, hashes)
+                self.handovers.open(req.request_id, hashes, req.migration)
                 await self._hand_over(req, token, hashes, self._snapshot_key(prompt, ns, hashes),
                                       first.num_cached_tokens, self.handovers.lease_s, event.logprobs)
                 await self.publish_tokens(event, env)
@@ -192,6 +192,12 @@ class PrefillService(EngineWorker):
 
     def on_cancel(self, request_id: str) -> None:
         self.handovers.end(request_id, "cancelled")
+
+    def on_peer_lost(self, cancel: Cancel) -> None:
+        # The decode worker that was to pull this hand-over is gone (the balancer sends this with the request's
+        # "lost" event): nobody pulls it now, and the continuation, a later migration, gets a hand-over of its own.
+        if cancel.role == "decode":
+            self.handovers.end(cancel.request_id, "decode_lost", upto=cancel.migration)
 
     def handover_counts(self) -> dict[str, int]:
         exporter = self.handovers.exporter

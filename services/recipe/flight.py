@@ -43,14 +43,18 @@ class Output:
 
 class Flight:
     def __init__(self, request_id: str, prepared: PreparedRequest, processor: OutputProcessor, now: float,
-                 request: GenerateRequest | None = None, max_migrations: int = 0) -> None:
-        """`request`: what was submitted, which a continuation extends (None: the request cannot resume)."""
+                 request: GenerateRequest | None = None, max_migrations: int = 0, epoch: int = 0) -> None:
+        """`request`: what was submitted, which a continuation extends (None: the request cannot resume).
+        `epoch`: how many recipes this request lost before this one took it over (ApiEvent.epoch)."""
         self.request_id = request_id
         self.prepared = prepared
         self.request = request
+        self.epoch = epoch
         self.migration = 0  # of the run now producing the request's tokens (GenerateRequest.migration)
+        self._first_migration = 0  # this recipe's first (migrations are counted from it)
         self._max_migrations = max_migrations
         self._ids: list[int] = []  # the engine tokens taken in order: what a continuation starts from
+        self._published = 0  # of them, those already carried by an ApiEvent (the gateway holds them)
         self.forked_at: int | None = None  # the first position a repeat disagreed with what the client has
         self.last_seen = now
         self.last_published = now  # when an ApiEvent last went to the gateway (the service keeps it fresh)
@@ -86,6 +90,24 @@ class Flight:
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq - 1
+
+    def unpublished(self) -> list[int]:
+        """The engine tokens taken since the last call: what the next ApiEvent carries."""
+        ids, self._published = self._ids[self._published :], len(self._ids)
+        return ids
+
+    def replay(self, token_ids: list[int], prompt_tokens: int, cached_tokens: int, migration: int) -> None:
+        """Take over a request whose recipe died: feed the output side the tokens whose output the client has,
+        dropping what it makes of them (sent already), so the next tokens' output follows on where the client's
+        stream stopped; `migration`: the highest the lost recipe may have started (the continuation goes past)."""
+        p = self._processor
+        self._ready = True
+        p.push(Ready(prompt_tokens, cached_tokens))
+        if token_ids:
+            p.push(Tokens(list(token_ids)))
+        self._ids = list(token_ids)
+        self._taken = self._next = self._published = len(token_ids)
+        self.migration = self._first_migration = migration
 
     def on_event(self, ev: TokenEvent, now: float) -> Output | None:
         if self.done:
@@ -147,9 +169,9 @@ class Flight:
         message = ev.error or "worker lost"
         if self.request is None or self.request.sampling.max_tokens <= len(self._ids):
             return self.fail(ev.error_status or 503, message, "error")
-        if self.migration >= self._max_migrations:
+        if self.migration - self._first_migration >= self._max_migrations:
             if self._max_migrations:
-                message += f" (the request was resumed {self.migration} times already)"
+                message += f" (the request was resumed {self.migration - self._first_migration} times already)"
             return self.fail(ev.error_status or 503, message, "error")
         return Output(resume=True)
 

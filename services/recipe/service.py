@@ -11,7 +11,8 @@ a token event (the client then gets a 504 and the workers a Cancel), or when the
 (a 503 and a Cancel; a shorter outage costs nothing: shared/bus.py replays the token streams). When the worker
 holding a request is lost (the balancer's "lost" event) the request resumes from the tokens streamed so far, on
 another worker, up to `max_migrations` times (flight.py: an exact continuation); the client's stream goes on
-where it was. A Responses request created with `store` is kept (responses_store.py) before its last event goes
+where it was. When a recipe dies, the gateway hands its requests to another (or to the restarted one) with what
+the client has (PrepareRequest.resume): `_take_over` goes on from there the same way. A Responses request created with `store` is kept (responses_store.py) before its last event goes
 out, so the client can continue from it at once.
 Questions that generate nothing (tokenize, models, stored responses) are answered by `queries.Queries`.
 """
@@ -45,8 +46,10 @@ from shared.bus import Bus, Envelope, Subscription
 from shared.bus_state import OUTAGE_GRACE_S
 from shared.json_depth import depth_message
 from shared.presence import announce_forever
-from shared.schemas.gateway import ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest
-from shared.schemas.generate import Cancel, GenerateRequest, SamplingParams, TokenEvent
+from shared.schemas.gateway import (
+    ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest, Resume,
+)
+from shared.schemas.generate import EVERY_WORKER, Cancel, GenerateRequest, SamplingParams, TokenEvent
 from shared.schemas.responses import StoredResponse
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,10 @@ class RecipeService:
         self._presence: asyncio.Task[None] | None = None
         self._bus: Bus | None = None
         self._status = "not started"
+        # this process, in its presence and in every PrepareReply: the gateway watches that the recipe which took
+        # a request is still there, and hands the request to another one if it dies (PrepareRequest.resume)
+        self.boot = secrets.token_hex(8)
+        self.takeovers = 0  # requests taken over from a recipe that died
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 
@@ -144,7 +151,7 @@ class RecipeService:
         self._reaper = asyncio.create_task(self._reap())
         aliases = {alias: m.name for alias, m in self._models.items() if alias != m.name}
         self._presence = asyncio.create_task(
-            announce_forever(bus, self.name, bus.name, list(self._models), aliases=aliases)
+            announce_forever(bus, self.name, bus.name, list(self._models), aliases=aliases, boot=self.boot)
         )
         self._status = "ready"
         log.info("serving %s", ", ".join(f"{m.name} ({m.encoding}, context {m.context_length})" for m in models))
@@ -179,7 +186,10 @@ class RecipeService:
         if req.api not in APIS:
             return _refuse(openai_error(404, f"API {req.api!r} is not supported", code="unsupported_api"))
         if req.request_id in self._flights:
-            return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
+            if req.resume is None:
+                return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
+            # the gateway took this recipe for dead (silent, not gone): its copy goes, the takeover starts afresh
+            self._drop(req.request_id)
         body: bytes | dict = req.body
         intent: StoreIntent | None = None
         if req.api == "responses":
@@ -258,21 +268,31 @@ class RecipeService:
         assert self._bus is not None
         rid = req.request_id
         inference = prepared.inference
-        seed = inference.seed if inference.seed is not None else secrets.randbits(SEED_BITS)
+        resume = req.resume
+        if resume is not None:
+            seed, created = resume.seed, resume.created  # the lost recipe's: the same draws, the same response
+        else:
+            seed = inference.seed if inference.seed is not None else secrets.randbits(SEED_BITS)
+            created = int(time.time())
         sampling = sampling_params(inference, max_tokens, seed, model.tokenizer.eos_ids)
         processor = OutputProcessor(
-            prepared, response_id=_response_id(req, prepared), tokens=model.tokens,
+            prepared, response_id=_response_id(req, prepared), created=created, tokens=model.tokens,
             count_tokens=model.count_tokens,
         )
         # tenants never share cached prefixes; within one, only requests with the same cache_salt do
         salt = req.tenant if not prepared.cache_salt else f"{req.tenant}\x00{prepared.cache_salt}"
         generate = GenerateRequest(rid, model.name, prompt_ids, sampling, cache_salt=salt, arrival=time.time())
-        self._flights[rid] = Flight(rid, prepared, processor, time.monotonic(), generate, self._max_migrations)
+        flight = Flight(rid, prepared, processor, time.monotonic(), generate, self._max_migrations,
+                        epoch=resume.epoch if resume is not None else 0)
+        self._flights[rid] = flight
         self._ledger.enter(rid, model.name, len(prompt_ids), time.monotonic())  # left in _drop
         # Subscribe before submitting: the first token can come back before this reply does.
         self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
         try:
-            await self._bus.submit(subjects.ROUTE_PREFILL, generate, msg_id=rid)
+            if resume is not None:
+                await self._take_over(flight, resume, len(prompt_ids))
+            else:
+                await self._bus.submit(subjects.ROUTE_PREFILL, generate, msg_id=rid)
         except Exception as exc:  # JetStream unavailable: nothing was queued, nothing to cancel
             log.warning("%s: submit failed: %s", rid, exc)
             self._drop(rid)
@@ -286,7 +306,27 @@ class RecipeService:
             sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens,
             sampling.ignore_eos, prepared.stream,
         )
-        return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids))
+        return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids), recipe=self.boot,
+                            seed=seed, created=created)
+
+    async def _take_over(self, flight: Flight, resume: Resume, prompt_tokens: int) -> None:
+        """Go on with a request whose recipe died (the gateway noticed): its output side replays what the client
+        has; every worker lets go of the runs the lost recipe started (nobody reads them: their tokens before
+        this recipe subscribed are gone); the continuation goes on from the client's last token, as a migration
+        past any of those runs (the lost recipe started at most max_migrations after the last it reported)."""
+        assert self._bus is not None
+        rid = flight.request_id
+        assert flight.request is not None
+        if len(resume.token_ids) >= flight.request.sampling.max_tokens:
+            raise ValueError("nothing left to generate")  # its last event was lost with the recipe: a 503
+        past = resume.migration + self._max_migrations
+        flight.replay(list(resume.token_ids), prompt_tokens, resume.cached_tokens, past)
+        self.takeovers += 1
+        log.warning("%s: taken over from a recipe that died; resuming from %d tokens (recipe %d of the request)",
+                    rid, len(resume.token_ids), resume.epoch + 1)
+        continuation = flight.resume(time.time())  # first: the Cancel below must find this flight past it
+        await self._bus.publish(subjects.CANCEL, Cancel(rid, "recipe lost", worker_id=EVERY_WORKER, migration=past))
+        await self._bus.submit(subjects.ROUTE_PREFILL, continuation, msg_id=f"{rid}:m{continuation.migration}")
 
     # --- the output side -----------------------------------------------------------------------------------
 
@@ -346,12 +386,20 @@ class RecipeService:
                 rid, flight.next_seq(), out.frames, out.done, out.status, out.body,
                 output_tokens=flight.output_tokens, cached_tokens=flight.cached_tokens,
                 finish_reason=flight.finish_reason if out.done and out.status == 200 else "",
+                token_ids=flight.unpublished(), migration=flight.migration, epoch=flight.epoch,
             )
             await self._bus.publish(subjects.events(rid), event)
         if out.cancel:
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason=out.cancel))
 
     async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
+        if cancel.worker_id == EVERY_WORKER:
+            # another recipe took the request over from this one (taken for dead while only silent): this copy
+            # goes quietly; the one that took over is past the migration named and stays
+            flight = self._flights.get(cancel.request_id)
+            if flight is not None and flight.migration <= cancel.migration and self._drop(cancel.request_id):
+                log.warning("%s: taken over by another recipe", cancel.request_id)
+            return
         if cancel.worker_id:
             return  # one worker letting go of a request that moved on: the request itself goes on
         if self._drop(cancel.request_id):

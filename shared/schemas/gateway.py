@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Resume:
+    """A request in flight whose recipe died, handed to another recipe (or the restarted one) by the gateway,
+    which holds the client's side: what the lost recipe had said (its PrepareReply, its ApiEvents). The new recipe
+    prepares the same body again (the same prompt), replays `token_ids` through a fresh output side without
+    sending anything (the client has that output), and resumes generation after them as a continuation (as for a
+    lost worker), past every migration the lost recipe may have started."""
+
+    seed: int  # the sampling seed the lost recipe used (drawn by it when the client gave none)
+    created: int  # the response's creation time the client has seen
+    token_ids: list[int]  # the engine tokens whose output the client has, in order
+    cached_tokens: int  # the prompt tokens found cached, for the usage
+    migration: int  # the latest migration of the request the lost recipe reported
+    epoch: int  # how many recipes the request has lost: the new recipe's events carry it
+
+
+@dataclass(frozen=True)
 class PrepareRequest:
     """The HTTP body as the client sent it; the recipe validates and renders it."""
 
@@ -14,6 +30,7 @@ class PrepareRequest:
     body: bytes  # raw JSON object, already known to parse
     tenant: str = ""  # salts cache keys (API key presented); "" = anonymous
     client_request_id: str = ""  # the client's X-Request-Id (validated): the ids it sees derive from it
+    resume: Resume | None = None  # the request's recipe died mid-flight: go on from there
 
 
 @dataclass(frozen=True)
@@ -26,6 +43,11 @@ class PrepareReply:
     stream: bool = False
     prompt_tokens: int = 0
     retry_after_s: int = 0  # a refusal for load (429): the Retry-After the client gets; 0 = none
+    # accepted: the recipe process that took it (its Presence.boot: the gateway watches that it stays), and what
+    # another recipe needs to go on with the request should that one die (Resume)
+    recipe: str = ""
+    seed: int = 0
+    created: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,11 @@ class ApiEvent:
     output_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str = ""
+    # the engine tokens taken since the previous event (in order: the output these frames and the earlier ones
+    # came from), the request's migration now, and the recipe's epoch (Resume.epoch; 0 = the first recipe)
+    token_ids: list[int] = field(default_factory=list)
+    migration: int = 0
+    epoch: int = 0
 
 
 @dataclass(frozen=True)

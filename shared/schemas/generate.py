@@ -118,13 +118,21 @@ class TokenEvent:
 LOST = "lost"
 
 
+EVERY_WORKER = "*"  # Cancel.worker_id: every worker, up to Cancel.migration
+
+
 @dataclass(frozen=True)
 class Cancel:
     """Broadcast on `requests.cancel`: every hop frees what it holds for the request. With `worker_id`, only that
     worker lets go, and only of the request's migrations up to `migration`: the request lives on elsewhere
-    (re-routed or resumed away from it), and a later continuation may still come to that worker."""
+    (re-routed or resumed away from it), and a later continuation may still come to that worker. `role`: the role
+    `worker_id` had in the request (the balancer's, for a worker it took for lost), so the other role lets go of
+    what it held for that worker (prefill: the KV hand-over a lost decode worker was to pull). `worker_id` ==
+    EVERY_WORKER: every worker lets go of those migrations (a recipe that takes over a request whose recipe died
+    ends the runs the dead one left, before its continuation); the request itself lives on."""
 
     request_id: str
     reason: str = "cancelled"
     worker_id: str = ""
     migration: int = 0
+    role: str = ""

@@ -18,6 +18,7 @@ class Presence:
     sent_at: float = 0.0
     # a served name that is an alias (--served-model-name) -> the name the workers serve the model under
     aliases: dict[str, str] = field(default_factory=dict)
+    boot: str = ""  # this process (random, per start): one restarted under the same instance name is another
 
 
 @dataclass(frozen=True)

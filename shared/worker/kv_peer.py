@@ -12,7 +12,9 @@ carries a checksum of each item (checked at decode, with each block's length: xx
 the pull names the block hashes it expects (checked at prefill), so a pull never gets another request's bytes.
 
 A hand-over ends, and its bytes are dropped, at the first of: decode's `done` (sent however its pull ended),
-its lease (`lease_s` after it opened: a decode worker that never comes), a cancel of the request. Nothing
+the balancer's word that the decode worker given the job was lost (a Cancel for that worker, with the
+request's "lost" event), its lease (`lease_s` after it opened: a decode worker that never comes), a cancel of
+the request. Nothing
 outlives the lease but a region of the peer arena a live decode worker still reads from (its read lock).
 
 On one host the items lie in a region of prefill's peer arena and a pull is answered with where they lie
@@ -82,6 +84,7 @@ class Handover:
     """One request's prompt KV, held for its decode worker."""
 
     keys: list[bytes]  # the prompt's full-block hashes: a pull must name the same
+    migration: int = 0  # of the request (GenerateRequest.migration): each continuation hands over anew
     items: list[Item] = field(default_factory=list)
     blocks: int = 0
     tail: bool = False
@@ -109,10 +112,10 @@ class Handovers:
     def __len__(self) -> int:
         return len(self._open)
 
-    def open(self, request_id: str, keys: list[bytes]) -> Handover:
+    def open(self, request_id: str, keys: list[bytes], migration: int = 0) -> Handover:
         """Start holding `request_id`'s hand-over (filled later); its lease starts now."""
         self.end(request_id, "replaced")  # a redelivered prefill job: the newest wins
-        handover = Handover(list(keys))
+        handover = Handover(list(keys), migration)
         handover.timer = asyncio.get_running_loop().call_later(self.lease_s, self.end, request_id, "expired")
         self._open[request_id] = handover
         self.counts["opened"] += 1
@@ -153,10 +156,12 @@ class Handovers:
         handover.first.set()
         return True
 
-    def end(self, request_id: str, why: str) -> None:
-        handover = self._open.pop(request_id, None)
-        if handover is None:
+    def end(self, request_id: str, why: str, upto: int | None = None) -> None:
+        """Drop the hand-over (with `upto`: only if it is of that migration of the request or an earlier one)."""
+        handover = self._open.get(request_id)
+        if handover is None or (upto is not None and handover.migration > upto):
             return
+        del self._open[request_id]
         if handover.timer is not None:
             handover.timer.cancel()
         handover.items, handover.region, handover.device = [], None, None  # the bytes go now, whoever holds it

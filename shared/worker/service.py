@@ -40,7 +40,7 @@ from shared.worker.kv_transfer import KvTransfer
 from shared.worker.kvclient import MiB, KvClient, open_client
 from shared.models import resolve
 from shared.schemas.events import TIER_LOCAL
-from shared.schemas.generate import Cancel, TokenEvent
+from shared.schemas.generate import EVERY_WORKER, Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
 __all__ = ["EngineRequest", "EngineWorker"]
@@ -260,6 +260,10 @@ class EngineWorker(ABC):
     def on_cancel(self, request_id: str) -> None:
         """A Cancel for a request this worker may hold outside the engine (a hand-over): let it go now."""
 
+    def on_peer_lost(self, cancel: Cancel) -> None:
+        """A Cancel addressed to another worker (`cancel.worker_id`, of `cancel.role`), which the balancer took for
+        lost: what this worker holds only for that one (a hand-over it was to pull) can go now, not at its lease."""
+
     def cancelled(self, request_id: str) -> bool:
         """Whether a Cancel ended the request's migration running here: its handler stops at the next stage
         rather than start it."""
@@ -283,9 +287,11 @@ class EngineWorker(ABC):
         its messages one at a time, so waiting here would queue every later cancel behind it).
 
         A plain Cancel ends every migration of the request; one addressed to this worker (it was taken for lost)
-        ends the migrations up to the one it names, and a later continuation may still run here."""
+        or to every worker (the request's recipe was lost) ends the migrations up to the one it names, and a later
+        continuation may still run here."""
         request_id = cancel.request_id
-        if cancel.worker_id not in ("", self.config.instance):
+        if cancel.worker_id not in ("", self.config.instance, EVERY_WORKER):
+            self.on_peer_lost(cancel)
             return
         upto = cancel.migration if cancel.worker_id else EVERY
         if self._cancelled.get(request_id, -1) >= upto:

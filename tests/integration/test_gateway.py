@@ -19,12 +19,13 @@ import pytest
 from opentelemetry import trace
 
 from services.gateway.config import GatewayConfig
+from services.gateway.routes import generate as generate_routes
 from services.gateway.service import GatewayService
 from shared import subjects
 from shared.bus import Bus
-from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
+from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest, Resume
 from shared.schemas.generate import Cancel
-from shared.schemas.health import HealthReply, HealthRequest
+from shared.schemas.health import HealthReply, HealthRequest, Presence
 
 MODEL = "test-model"
 CONFIG = GatewayConfig(port=0, request_timeout_s=1.0, event_timeout_s=1.0, max_body_bytes=64 * 1024)
@@ -394,3 +395,102 @@ async def test_trace_continues_from_client_to_recipe(mesh: Mesh) -> None:
             assert resp.status == 200 and await resp.json() == {"ok": True}
             assert resp.headers["X-Request-Id"] == recipe.prepared[0].request_id
     assert recipe.trace_ids == [trace_id]
+
+
+# --- a recipe that dies mid-request --------------------------------------------------------------------------------
+
+
+@dataclass
+class MortalRecipe:
+    """A recipe process with a presence (boot `boot`) that answers prepare with `answer`; `die()` stops both."""
+
+    bus: Bus
+    boot: str
+    answer: Callable[[PrepareRequest], list[ApiEvent]]
+    prepared: list[PrepareRequest] = field(default_factory=list)
+    _subs: list[object] = field(default_factory=list)
+    _beat: asyncio.Task[None] | None = None
+
+    async def start(self) -> MortalRecipe:
+        async def prepare(request: PrepareRequest) -> PrepareReply:
+            self.prepared.append(request)
+            for event in self.answer(request):
+                await self.bus.publish(subjects.events(request.request_id), event)
+            return PrepareReply(ok=True, stream=True, recipe=self.boot, seed=42, created=7)
+
+        async def beat() -> None:
+            while True:
+                await self.bus.publish(subjects.PRESENCE, Presence("recipe", "recipe-0", [MODEL], boot=self.boot))
+                await asyncio.sleep(0.1)
+
+        self._subs.append(await self.bus.serve(subjects.RECIPE_PREPARE, PrepareRequest, prepare,
+                                               queue=subjects.RECIPE_GROUP))
+        self._beat = asyncio.create_task(beat())
+        await roundtrip(self.bus)
+        return self
+
+    async def die(self) -> None:
+        assert self._beat is not None
+        self._beat.cancel()
+        for sub in self._subs:
+            await sub.unsubscribe()  # type: ignore[attr-defined]
+        await roundtrip(self.bus)
+
+
+async def test_a_request_whose_recipe_dies_is_handed_to_the_next_recipe_with_what_the_client_has(
+        nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe that took a stream falls silent (its presence stops) after two events: the gateway asks the
+    next recipe to take the request over, with the engine tokens behind the frames relayed, the lost recipe's
+    seed and creation time; that recipe's events (epoch 1, from seq 0) continue the stream, and a late event of
+    the dead one (epoch 0) is not relayed. With no recipe to take over, the stream ends with an error frame and
+    every hop gets a Cancel."""
+    monkeypatch.setattr(generate_routes, "PRESENCE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(generate_routes, "RECIPE_TAKEOVER_WAIT_S", 1.0)
+    gateway_bus = await Bus.connect(nats_url, "gateway-test")
+    recipe_bus = await Bus.connect(nats_url, "recipe-test")
+    cancels: asyncio.Queue[Cancel] = asyncio.Queue()
+
+    async def on_cancel(cancel: Cancel, _: object) -> None:
+        cancels.put_nowait(cancel)
+
+    await recipe_bus.subscribe(subjects.CANCEL, Cancel, on_cancel)
+    gateway = GatewayService(GatewayConfig(port=0, request_timeout_s=1.0, event_timeout_s=30.0), [MODEL])
+    await gateway.start(gateway_bus)
+    url = f"http://127.0.0.1:{gateway.port}/v1/chat/completions"
+    try:
+        first = await MortalRecipe(recipe_bus, "boot-a", lambda r: [
+            ApiEvent(r.request_id, 0, [chat_chunk("one")], token_ids=[1, 2]),
+            ApiEvent(r.request_id, 1, [chat_chunk(" two")], token_ids=[3], migration=1, cached_tokens=16),
+        ]).start()
+        second: MortalRecipe | None = None
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json={**CHAT, "stream": True}) as resp:
+                assert resp.status == 200
+                assert await resp.content.readuntil(b"\n\n") == chat_chunk("one")
+                assert await resp.content.readuntil(b"\n\n") == chat_chunk(" two")
+                await first.die()
+                second = await MortalRecipe(recipe_bus, "boot-b", lambda r: [
+                    ApiEvent(r.request_id, 0, [chat_chunk("zombie")], token_ids=[9], epoch=0),  # the dead one's
+                    ApiEvent(r.request_id, 0, [chat_chunk(" three")], token_ids=[4], epoch=1),
+                    ApiEvent(r.request_id, 1, [chat_chunk("", "stop"), b"data: [DONE]\n\n"], done=True, epoch=1),
+                ] if r.resume is not None else [ApiEvent(r.request_id, 0, [chat_chunk("one")], token_ids=[1])]).start()
+                rest = await resp.read()
+            assert rest == chat_chunk(" three") + chat_chunk("", "stop") + b"data: [DONE]\n\n"
+            (taken,) = second.prepared
+            assert taken.request_id == first.prepared[0].request_id and taken.body == first.prepared[0].body
+            assert taken.resume == Resume(seed=42, created=7, token_ids=[1, 2, 3], cached_tokens=16, migration=1,
+                                          epoch=1)
+            assert cancels.empty()  # the request went on: nothing was cancelled
+
+            async with http.post(url, json={**CHAT, "stream": True}) as resp:  # and now nobody comes back
+                assert await resp.content.readuntil(b"\n\n") == chat_chunk("one")
+                await second.die()
+                text = await resp.read()
+            last = orjson.loads(text.split(b"\n\n")[-2].removeprefix(b"data: "))
+            assert last["error"] == {"message": generate_routes.RECIPE_LOST, "type": "server_error", "param": None, "code": None}
+            assert await asyncio.wait_for(cancels.get(), 5.0) == Cancel(second.prepared[-1].request_id,
+                                                                        reason="recipe lost")
+    finally:
+        await gateway.stop()
+        await gateway_bus.drain()
+        await recipe_bus.drain()

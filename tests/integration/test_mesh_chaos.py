@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from tests.integration.chaos import (
     until_idle,
     until_started,
     until_workers,
+    worker_health,
     workload,
 )
 from tests.integration.mesh import Mesh, start_mesh
@@ -110,11 +112,35 @@ def test_a_prefill_worker_killed_under_load_costs_no_stream_a_token(mesh: Mesh) 
     _nothing_left(mesh, victim["instance"])
 
 
+def _follow_ups(bodies: Sequence[dict[str, Any]], answers: Sequence[Streamed]) -> list[dict[str, Any]]:
+    """The next turn of each conversation: decode affinity sends it back to the worker that served the last one."""
+    return [{**body, "max_tokens": FOLLOW_UP_TOKENS, "messages": [
+        *body["messages"], {"role": "assistant", "content": answer.text}, {"role": "user", "content": "Go on."}]}
+        for body, answer in zip(bodies, answers)]
+
+
+async def _handovers_ended(nats_url: str) -> Counter[str]:
+    """How the prefill workers' hand-overs ended, summed over both (their health's `handover` counters)."""
+    ended: Counter[str] = Counter()
+    for instance in ("prefill-0", "prefill-1"):
+        report = (await worker_health(nats_url, "prefill", instance)).get("handover", {})
+        ended.update({k: v for k, v in report.items() if k.startswith("ended_")})
+    return ended
+
+
+FOLLOW_UP_TOKENS = 8
+
+
 def test_a_decode_worker_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -> None:
-    """... and two more streams hang up while the kill's migrations are under way: they leave nothing behind."""
+    """... and two more streams hang up while the kill's migrations are under way: they leave nothing behind.
+    Each conversation's next turn is sent the moment the worker dies, before the balancer knows: those that go
+    back to the dead worker (decode affinity) leave prefill holding their KV hand-over for a puller that is gone;
+    it must end at the balancer's word of the loss, not at its 15 s lease, and their streams complete too."""
     bodies = workload(STREAMS, MAX_TOKENS, tag="decode")
     victim: dict[str, Any] = {}
     doomed: list[asyncio.Task[Streamed]] = []
+    follow_ups: list[dict[str, Any]] = []
+    following: list[asyncio.Task[list[Streamed]]] = []
 
     async def kill_the_busier_decode_worker(streams: Sequence[Streamed]) -> None:
         await until_started(streams, 2)  # every stream is decoding
@@ -122,6 +148,7 @@ def test_a_decode_worker_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -
         victim.update(active=active, instance=instance)
         released = (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0)
         os.kill(instance_pid(str(mesh.state_dir), instance), signal.SIGKILL)
+        following.append(asyncio.create_task(stream_all(mesh.base_url, follow_ups)))
         while (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0) == released:
             await asyncio.sleep(0.05)  # (bounded by the heartbeat timeout: the balancer hands its requests back)
         for task in doomed:  # the recipe is resuming the victim's requests now: hang up
@@ -130,17 +157,49 @@ def test_a_decode_worker_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -
     async def scenario() -> tuple[list[Streamed], list[Streamed], int]:
         await until_workers(mesh.nats_url, "decode", 2)
         baseline = await stream_all(mesh.base_url, bodies)
+        follow_ups.extend(_follow_ups(bodies, baseline))
+        baseline += await stream_all(mesh.base_url, follow_ups)
         before = (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0)
         async with aiohttp.ClientSession() as session:
             doomed.extend(asyncio.create_task(stream_one(session, mesh.base_url, body, Streamed()))
                           for body in workload(2, 400, tag="doomed"))
             faulted = await stream_all(mesh.base_url, bodies, during=kill_the_busier_decode_worker)
+            faulted += await following[0]
             await asyncio.gather(*doomed, return_exceptions=True)
         after = (await balancer_stats(mesh.nats_url)).counters.get("released_worker_lost", 0)
         return baseline, faulted, after - before
 
+    ended_before = asyncio.run(_handovers_ended(mesh.nats_url))
     baseline, faulted, released = asyncio.run(scenario())
-    _check(baseline, faulted, MAX_TOKENS)
+    _check(baseline[:STREAMS], faulted[:STREAMS], MAX_TOKENS)
+    _check(baseline[STREAMS:], faulted[STREAMS:], FOLLOW_UP_TOKENS)
     assert victim["active"] > 0 and released >= victim["active"]  # its streams did move: they were resumed
     _nothing_left(mesh, victim["instance"])
+    ended = asyncio.run(_handovers_ended(mesh.nats_url)) - ended_before
+    # a hand-over whose decode worker died ended when the balancer said so (ended_decode_lost), none at its lease
+    assert ended["ended_expired"] == 0, ended
     assert any("resuming from" in line for line in (mesh.state_dir / "logs" / "recipe-0.log").read_text().splitlines())
+
+
+def test_a_recipe_killed_mid_stream_costs_no_stream_a_token(mesh: Mesh) -> None:
+    """The recipe (the mesh's only one) SIGKILLed while every stream is under way: the launcher restarts it, the
+    gateway hands each request to it with what its client has (the tokens behind the frames relayed, the seed),
+    and each stream goes on from there with exactly the fault-free text. (The last test: the recipe's restart
+    must not overlap a worker's.)"""
+    bodies = workload(STREAMS, MAX_TOKENS, tag="recipe")
+    log = mesh.state_dir / "logs" / "recipe-0.log"
+
+    async def kill_the_recipe(streams: Sequence[Streamed]) -> None:
+        await until_started(streams, 2)  # every stream has text: the recipe holds them all
+        os.kill(instance_pid(str(mesh.state_dir), "recipe-0"), signal.SIGKILL)
+
+    async def scenario() -> tuple[list[Streamed], list[Streamed]]:
+        await until_workers(mesh.nats_url, "decode", 2)
+        await until_workers(mesh.nats_url, "prefill", 2)
+        baseline = await stream_all(mesh.base_url, bodies)
+        return baseline, await stream_all(mesh.base_url, bodies, during=kill_the_recipe)
+
+    baseline, faulted = asyncio.run(scenario())
+    _check(baseline, faulted, MAX_TOKENS)
+    assert "taken over from a recipe that died" in log.read_text()
+    _nothing_left(mesh, "")

@@ -16,8 +16,8 @@ from services.recipe.service import RecipeService
 from shared import subjects
 from shared.bus import Bus, Envelope
 from shared.models import resolve
-from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
-from shared.schemas.generate import Cancel, GenerateRequest, TokenEvent
+from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest, Resume
+from shared.schemas.generate import EVERY_WORKER, Cancel, GenerateRequest, TokenEvent
 from shared.tokenizer import Tokenizer, load_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -279,6 +279,68 @@ async def test_a_lost_worker_resumes_the_stream_exactly_and_a_bounded_number_of_
     assert "worker lost" in orjson.loads(got[-1].body)["error"]["message"]
     assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, reason="error")
     assert mesh.work.empty() and mesh.recipe.migrations == 3
+
+
+@pytest.mark.parametrize("forgotten", [True, False], ids=["another-recipe", "the-silent-one-itself"])
+async def test_a_request_whose_recipe_died_is_taken_over_from_what_the_client_has(mesh: Mesh, forgotten: bool
+                                                                                   ) -> None:
+    """The gateway hands a request whose recipe died to another (here the same service, which forgets it first:
+    a process that never knew it; or, not forgotten, the recipe taken for dead while only silent, whose own copy
+    goes) with what the client has: the events' tokens, the reply's seed (drawn by the recipe: the client gave
+    none) and creation time. The new recipe ends the runs the lost one may have left on every worker (past any
+    migration it could have started), submits the continuation after the client's last token, and its events
+    (epoch 1, seq from 0) carry only what follows: no token repeated, none missing."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to eight."}], "stream": True,
+            "max_tokens": 40, "temperature": 0.7}
+    rid, reply, events = await mesh.prepare("chat", body)
+    work = await asyncio.wait_for(mesh.work.get(), 5.0)
+    assert (reply.recipe, reply.seed) == (mesh.recipe.boot, work.sampling.seed) and reply.created > 0
+    ids = mesh.tokenizer.encode(" one two three four five six seven eight") + [EOS]
+    await mesh.tokens(rid, *(TokenEvent(rid, i, [ids[i]], None, reply.prompt_tokens if i == 0 else 0)
+                             for i in range(5)))
+    before: list[ApiEvent] = []
+    while sum(len(e.token_ids) for e in before) < 5:
+        before.append(await asyncio.wait_for(events.get(), 5.0))
+    assert [t for e in before for t in e.token_ids] == ids[:5] and {e.epoch for e in before} == {0}
+    if forgotten:
+        mesh.recipe._drop(rid)  # the recipe that had it is gone
+
+    resume = Resume(reply.seed, reply.created, ids[:5], 0, migration=0, epoch=1)
+    again = PrepareRequest(rid, "chat", orjson.dumps(body), "", resume=resume)
+    took = await mesh.bus.request(subjects.RECIPE_PREPARE, again, PrepareReply, timeout=5.0)
+    assert took.ok and (took.seed, took.created) == (reply.seed, reply.created)
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, "recipe lost", worker_id=EVERY_WORKER,
+                                                                     migration=2)  # 0 + max_migrations
+    resumed = await asyncio.wait_for(mesh.work.get(), 5.0)
+    assert (resumed.prompt_ids, resumed.output_offset, resumed.migration) == (work.prompt_ids + ids[:5], 5, 3)
+    assert resumed.sampling == work.sampling  # the same seed: the same draws
+    await mesh.tokens(rid, TokenEvent(rid, 2, ids[2:4], migration=0),  # the lost recipe's run, late: dropped
+                      TokenEvent(rid, 5, ids[5:], "stop", migration=3))
+    after = await mesh.until_done(events)
+    assert [e.seq for e in after] == list(range(len(after))) and {e.epoch for e in after} == {1}
+    assert _content(before) + _content(after) == " one two three four five six seven eight"
+    assert after[-1].status == 200 and after[-1].output_tokens == len(ids)
+    assert mesh.recipe.takeovers == 1
+
+
+async def test_a_recipe_whose_request_another_took_over_lets_it_go_quietly(mesh: Mesh) -> None:
+    """Another recipe took the request over from this one (taken for dead while only silent): the takeover's
+    Cancel for every worker, past this copy's migration, drops it here without an event or a Cancel of its own
+    (a plain Cancel, for a stop string say, would end the copy that took over)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 9}
+    rid, reply, events = await mesh.prepare("chat", body)
+    await asyncio.wait_for(mesh.work.get(), 5.0)
+    await mesh.bus.publish(subjects.CANCEL, Cancel(rid, "recipe lost", worker_id=EVERY_WORKER, migration=2))
+    assert await asyncio.wait_for(mesh.cancels.get(), 5.0) == Cancel(rid, "recipe lost", worker_id=EVERY_WORKER,
+                                                                     migration=2)  # (the test's own, seen)
+    for _ in range(100):  # (a bound on a failure)
+        if rid not in mesh.recipe._flights:
+            break
+        await asyncio.sleep(0.05)
+    assert rid not in mesh.recipe._flights
+    await mesh.tokens(rid, TokenEvent(rid, 0, mesh.tokenizer.encode(" one"), "stop", reply.prompt_tokens))
+    await asyncio.sleep(0.3)  # what it would send, had it kept the request
+    assert events.empty() and mesh.cancels.empty()
 
 
 async def test_a_request_finished_by_the_run_it_moved_past_cancels_its_continuation(mesh: Mesh) -> None:

@@ -151,7 +151,7 @@ async def test_lost_prefill_worker_reroutes_and_lost_decode_worker_hands_its_req
     assert svc.assignments.get("r1", "prefill").worker_id == "p2"  # type: ignore[union-attr]
     # nobody but the lost workers lets go: the requests live on
     assert [m for s, m in bus.published if s == subjects.CANCEL] == [
-        Cancel("r1", "re-routed", worker_id="p1"), Cancel("r3", "worker lost", worker_id="d1")]
+        Cancel("r1", "re-routed", worker_id="p1", role="prefill"), Cancel("r3", "worker lost", worker_id="d1", role="decode")]
 
 
 async def test_lost_prefill_worker_with_no_other_worker_hands_its_request_back(setup: Any) -> None:
@@ -177,7 +177,7 @@ async def test_every_failure_it_sends_the_client_is_also_a_cancel(setup: Any) ->
     await svc.reap(clock.t)  # d1 silent: r2 is handed back (to resume), d1 alone lets go of it
     assert errors(bus) == [("r1", "no prefill worker available"), ("r2", "worker lost")]
     assert [m for s, m in bus.published if s == subjects.CANCEL] == [
-        Cancel("r1", "no prefill worker available"), Cancel("r2", "worker lost", worker_id="d1")]
+        Cancel("r1", "no prefill worker available"), Cancel("r2", "worker lost", worker_id="d1", role="decode")]
 
 
 async def test_a_continuation_is_routed_as_a_new_migration_and_the_old_one_cannot_disturb_it(setup: Any) -> None:
@@ -209,7 +209,7 @@ async def test_a_continuation_is_routed_as_a_new_migration_and_the_old_one_canno
     clock.t += 2.0
     await svc.reap(clock.t)  # d2 lost too: the second loss names migration 1
     assert lost(bus) == [("r1", 0), ("r1", 1)]
-    assert Cancel("r1", "worker lost", worker_id="d2", migration=1) in [m for _, m in bus.published]
+    assert Cancel("r1", "worker lost", worker_id="d2", migration=1, role="decode") in [m for _, m in bus.published]
 
 
 async def test_a_lost_worker_that_comes_back_is_told_again_what_ended_while_it_was_gone(setup: Any) -> None:
@@ -242,7 +242,7 @@ async def test_a_rerouted_request_is_let_go_by_the_lost_worker_alone(setup: Any)
     clock.t += 2.0
     await svc.reap(clock.t)  # p1 silent: r1 goes to p2
     targeted = [m for s, m in bus.published if s == subjects.CANCEL]
-    assert targeted == [Cancel("r1", "re-routed", worker_id="p1")]
+    assert targeted == [Cancel("r1", "re-routed", worker_id="p1", role="prefill")]
     await svc._on_cancel(targeted[0], ENV)  # its own broadcast comes back: the request lives on at p2
     assert svc.assignments.get("r1", "prefill").worker_id == "p2"  # type: ignore[union-attr]
     await heartbeat(svc, "p1", clock)  # p1 restarted: its redelivered job for r1 must not run there

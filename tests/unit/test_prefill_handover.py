@@ -225,3 +225,33 @@ async def test_a_continuation_samples_at_its_position_and_hands_over_anew(checkp
     assert decode_job(svc).request.output_offset == 5
     assert bus.msg_ids == ["r5:handoff:m1"]
     await svc.engine.stop()
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["bytes", "region"])
+async def test_a_lost_decode_workers_hand_over_ends_at_the_balancers_word_not_its_lease(  # noqa: F811
+        checkpoint: Path, loaded: LoadedModel, shm: bool) -> None:  # noqa: F811
+    """The decode worker given the job died before it pulled: the balancer's Cancel for that worker (sent with the
+    request's "lost" event) ends the hand-over at once, and the arena region is free once the store's put is over.
+    A Cancel for another prefill worker, or for the decode worker of an earlier migration, leaves it."""
+    svc = prefill(checkpoint, loaded, "peer")
+    exporter = svc.handovers.exporter = ShmExporter.open(f"test-lost-{os.getpid()}", 16 << 20) if shm else None
+    kv: FakeKv = svc.kv  # type: ignore[assignment]
+    kv.gate = asyncio.Event()
+    resumed = dataclasses.replace(job("r6").request, migration=1)
+    task = asyncio.create_task(svc._on_job(PrefillJob(resumed, "prefill-test"), ENV))
+    await kv.entered.wait()  # handed on, exported, storing: the hand-over waits for its decode worker
+    await svc._on_cancel(Cancel("r6", "re-routed", worker_id="prefill-9", migration=1, role="prefill"), ENV)
+    await svc._on_cancel(Cancel("r6", "worker lost", worker_id="decode-0", migration=0, role="decode"), ENV)
+    assert len(svc.handovers) == 1  # neither was about this hand-over's decode worker
+    await svc._on_cancel(Cancel("r6", "worker lost", worker_id="decode-1", migration=1, role="decode"), ENV)
+    assert len(svc.handovers) == 0 and svc.handovers.counts["ended_decode_lost"] == 1
+    assert not svc.cancelled("r6")  # the request itself goes on (a continuation): only the hand-over went
+    kv.gate.set()
+    await task
+    assert await held(svc) == 0 and not svc.active
+    if exporter is not None:
+        assert exporter.held == 0  # the region is free again
+        exporter.close()
+    assert svc.handover_counts()["leases"] == 0
+    assert svc.engine is not None
+    await svc.engine.stop()

@@ -24,7 +24,7 @@ from shared.config import ServiceConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine
 from shared.engine.loader import LoadedModel
-from shared.schemas.generate import Cancel, DecodeJob, GenerateRequest, SamplingParams, TokenEvent
+from shared.schemas.generate import EVERY_WORKER, Cancel, DecodeJob, GenerateRequest, SamplingParams, TokenEvent
 from shared.worker.config import WorkerConfig
 from tests.unit.test_engine_tiny import checkpoint, loaded  # noqa: F401  (fixtures)
 
@@ -240,12 +240,13 @@ async def test_a_continuation_makes_the_tokens_the_lost_run_would_have(checkpoin
     await svc.engine.stop()
 
 
+@pytest.mark.parametrize("addressed", ["decode-test", EVERY_WORKER], ids=["this-worker", "every-worker"])
 async def test_a_lost_migration_is_let_go_and_its_continuation_runs_on_the_same_worker(  # noqa: F811
-        checkpoint: Path, loaded: LoadedModel) -> None:  # noqa: F811
-    """The balancer took this worker for lost: its Cancel for migration 0 drops the redelivered migration-0 job
-    (the restarted worker must not run it for nobody) but not the request's continuation placed here later; a
-    continuation that comes while migration 0 still runs waits (Retry) for the abort; a plain Cancel (the client
-    left) ends every migration."""
+        checkpoint: Path, loaded: LoadedModel, addressed: str) -> None:  # noqa: F811
+    """The balancer took this worker for lost (or a recipe took over a request whose recipe died: a Cancel for
+    every worker): its Cancel for migration 0 drops the redelivered migration-0 job (the restarted worker must not
+    run it for nobody) but not the request's continuation placed here later; a continuation that comes while
+    migration 0 still runs waits (Retry) for the abort; a plain Cancel (the client left) ends every migration."""
     svc = worker(checkpoint, loaded)
     assert svc.engine is not None
     first = job("r1", max_tokens=400)
@@ -255,7 +256,7 @@ async def test_a_lost_migration_is_let_go_and_its_continuation_runs_on_the_same_
     resumed = continuation(first, [7] * 20, 3)
     with pytest.raises(Retry):  # migration 0 is still in the engine: the same id cannot go in twice
         await svc._on_job(resumed, ENV)
-    await svc._on_cancel(Cancel("r1", "worker lost", worker_id="decode-test", migration=0), ENV)
+    await svc._on_cancel(Cancel("r1", "worker lost", worker_id=addressed, migration=0), ENV)
     await running  # aborted, settled
     await svc._on_job(first, ENV)  # redelivered migration 0: dropped
     assert svc.jobs == {"run": 1, "cancelled": 1, "dropped": 1}

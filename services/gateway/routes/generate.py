@@ -6,6 +6,13 @@ The client's `X-Request-Id` (vLLM's convention) names the request for the client
 and the header is echoed back. The mesh's own request id (its subjects, its cancel) is always ours, so no client
 id can reach another request's streams.
 
+A recipe that dies with requests in flight (its presence silent PRESENCE_TIMEOUT_S) does not take them along:
+the gateway hands each to another recipe, or to the one the launcher restarts, with what the client has had of it
+(PrepareRequest.resume: the engine tokens behind the events relayed, the seed, the latest migration); that recipe
+replays them and resumes generation after them, an exact continuation, so the client's stream goes on with no
+token missing or repeated. No recipe within RECIPE_TAKEOVER_WAIT_S, or a request that lost MAX_RECIPE_LOSSES
+recipes: a 503 in the API's format (a last error frame on a started stream).
+
 Every accepted request ends explicitly. Any ending other than its `done` event (the client went away, the model
 fell silent, the gateway is stopping, a bug) sends Cancel(rid) on `requests.cancel`, so every hop frees what it
 holds for the request, KV blocks first of all.
@@ -14,6 +21,7 @@ holds for the request, KV blocks first of all.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -27,14 +35,16 @@ from opentelemetry import trace
 from services.gateway import genai
 from services.gateway.auth import presented_key, tenant_of
 from services.gateway.errors import ApiError, ErrorFormat, bus_down, error_response, json_response
+from services.gateway.fleet import Fleet
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import ApiRequestHandler
 from services.gateway.routes.table import ApiRoute
 from services.gateway.streaming import EventPump, PumpAborted, Pumps
 from shared import subjects
 from shared.bus import Bus, BusTimeout
-from shared.bus_state import OUTAGE_GRACE_S, RESUME_S
+from shared.bus_state import OUTAGE_GRACE_S, RECONNECT_MAX_S, RESUME_S
 from shared.json_depth import depth_message, too_deep
+from shared.presence import PRESENCE_TIMEOUT_S
 from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest
 from shared.schemas.generate import Cancel
 
@@ -45,6 +55,10 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 REQUEST_ID_HEADER = "X-Request-Id"
 BUS_LOST = "the message bus was lost while the request was in flight and its answer did not resume; try again"
+RECIPE_LOST = "the recipe serving the request was lost and no other could take it over; try again"
+TAKEOVER_RETRY_S = 0.5
+RECIPE_TAKEOVER_WAIT_S = 20.0  # for a recipe to take over a request whose recipe died (a restart loads a tokenizer)
+MAX_RECIPE_LOSSES = 2  # recipes one request may lose (and be taken over) before it ends with RECIPE_LOST
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fits in an id, a header and a log line as it stands
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -151,7 +165,10 @@ class GenerateHandler:
         prepare_timeout_s: float,
         event_timeout_s: float,
         max_body_bytes: int,
+        fleet: Fleet | None = None,
     ) -> None:
+        """`fleet`: the services' presence as heard (a recipe that dies is noticed there); None: not watched."""
+        self._fleet = fleet
         self._bus = bus
         self._pumps = pumps
         self._metrics = metrics
@@ -180,11 +197,13 @@ class GenerateHandler:
         # Subscribe first: the recipe may publish events before its reply reaches us.
         async with self._pumps.open(request_id) as pump:
             try:
+                pump.prepare = prepare
                 reply = await self._prepare(prepare)
                 if not reply.ok:
                     if reply.retry_after_s:  # refused for load, before anything was queued
                         headers["Retry-After"] = str(reply.retry_after_s)
                     return json_response(reply.status, reply.error_body, headers)
+                pump.accepted(reply, time.monotonic())
                 model = str(parsed.get("model", ""))  # the recipe accepted it: one of the served names
                 pump.meter = self._metrics.meter(model, stream=reply.stream, prompt_tokens=reply.prompt_tokens,
                                                  arrival=arrival)
@@ -251,6 +270,8 @@ class GenerateHandler:
             try:
                 event = await pump.next(min(left, DISCONNECT_POLL_S))
             except TimeoutError:
+                if self._recipe_lost(pump):
+                    await self._take_over(pump)
                 continue
             except PumpAborted as exc:
                 raise RequestEnded(503, "the gateway is shutting down", exc.reason) from None
@@ -266,6 +287,42 @@ class GenerateHandler:
         if pump.losses != self._bus.losses and self._bus.connected:
             if time.monotonic() - max(pump.last_event_at, self._bus.back_at) > RESUME_S:
                 raise RequestEnded(503, BUS_LOST, "bus lost")
+
+    def _recipe_lost(self, pump: EventPump) -> bool:
+        """The recipe that has the request has not been heard for PRESENCE_TIMEOUT_S (counted from when it took
+        the request, and from the bus's last reconnect: the presence of every service pauses with the bus, and
+        each comes back within about RECONNECT_MAX_S of the server)."""
+        if self._fleet is None or not pump.recipe or not self._bus.connected:
+            return False
+        heard = self._fleet.last_heard(pump.recipe) or 0.0
+        since = max(heard, pump.accepted_at, self._bus.back_at + RECONNECT_MAX_S if self._bus.back_at else 0.0)
+        return time.monotonic() - since > PRESENCE_TIMEOUT_S
+
+    async def _take_over(self, pump: EventPump) -> None:
+        """Hand the request to another recipe (or the restarted one), to go on from what the client has; a
+        RequestEnded (503) when none takes it within RECIPE_TAKEOVER_WAIT_S or it lost too many recipes."""
+        assert pump.prepare is not None
+        if pump.epoch >= MAX_RECIPE_LOSSES:
+            raise RequestEnded(503, RECIPE_LOST, "recipe lost")
+        resume = pump.resume()
+        log.warning("%s: its recipe is gone; handing it to another with %d tokens streamed", pump.request_id,
+                    len(resume.token_ids))
+        prepare = dataclasses.replace(pump.prepare, resume=resume)
+        deadline = time.monotonic() + RECIPE_TAKEOVER_WAIT_S
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                reply = await self._bus.request(subjects.RECIPE_PREPARE, prepare, PrepareReply,
+                                                timeout=max(0.1, min(left, self._prepare_timeout_s)))
+                break
+            except BusTimeout:  # no recipe subscribed yet (restarting) or none answered in time
+                if time.monotonic() + TAKEOVER_RETRY_S >= deadline:
+                    raise RequestEnded(503, RECIPE_LOST, "recipe lost") from None
+                await asyncio.sleep(TAKEOVER_RETRY_S)
+        if not reply.ok:
+            log.warning("%s: no recipe could take it over (%d)", pump.request_id, reply.status)
+            raise RequestEnded(503, RECIPE_LOST, "recipe lost")
+        pump.accepted(reply, time.monotonic())
 
     def _reason(self, exc: BaseException) -> str:
         if self._pumps.closing:
