@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from services.recipe.emit import End, OutputProcessor, Ready, Tokens
-from services.recipe.emit.logprobs import number, spell
+from services.recipe.emit.logprobs import numbers, spell
 from services.recipe.parse import TokenTable
 from services.recipe.parse.stages import OPAQUE_SYM
 from services.recipe.prepared import InferenceSpec, ParsingSpec, PreparedRequest
@@ -50,10 +50,11 @@ def run(api: str, chunks: list[list[int]], *, stream: bool, stop: list[str] | No
 @pytest.mark.parametrize("value, text", [
     (-0.25, "-0.25"), (-0.1, "-0.1"), (-1.1920928955078125e-07, "-1.1920929e-7"), (-1e-06, "-0.000001"),
     (-2.5e-06, "-0.0000025"), (-9.9e-07, "-9.9e-7"), (-1500000000000.0, "-1500000000000.0"), (-1e13, "-1e+13"),
-    (-123456789.0, "-123456790.0"), (0.0, "0.0"), (-0.0, "-0.0"), (-1e300, "null"), (float("-inf"), "null"),
+    (-123456789.0, "-123456790.0"), (0.0, "0.0"), (-0.0, "-0.0"), (float("-inf"), "null"), (float("nan"), "null"),
 ])
 def test_logprobs_are_written_as_the_f32_they_are(value: float, text: str) -> None:
-    assert orjson.dumps(number(value)).decode() == text
+    assert orjson.dumps(numbers([value, -0.5])).decode() == f"[{text},-0.5]"
+    assert numbers([]) == []
 
 
 def test_a_token_that_cuts_a_character_is_spelled_byte_by_byte() -> None:
