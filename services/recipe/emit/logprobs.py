@@ -29,6 +29,7 @@ import orjson
 from services.recipe.parse.detok import TokenPieces, TokenTable
 from shared.schemas.generate import TokenLogprob
 
+
 class Alt(NamedTuple):
     token: str
     logprob: orjson.Fragment  # the JSON number (`numbers`)
@@ -108,7 +109,8 @@ class LogprobTrack:
         for tid, lp in kept:
             token, raw = spell_id(tid)
             value = next(nums)
-            top = tuple(Alt(alt, next(nums), alt_raw) for alt, alt_raw in map(spell_id, lp.top_ids))
+            top = tuple(Alt(alt, next(nums), alt_raw)
+                        for alt, alt_raw in map(spell_id, lp.top_ids[: len(lp.top_logprobs)]))
             self._pending.append(Entry(token, value, raw, top))
 
     def pieces(self, first: int, counts: Sequence[int]) -> None:
