@@ -17,6 +17,10 @@ Usage: `completion_tokens` counts the ids of the pieces parsed for DeepSeek form
 none after a stop sequence's piece, none still held in a broken character), every id for chat-template
 models, a Text chunk's `token_count`, and the end-of-sentence id. `reasoning_tokens` is the token count of
 the reasoning text, re-encoded (deepseek-recipe's definition), when a counter is given.
+
+Logprobs: a Tokens chunk may carry one TokenLogprob per id; they follow the ids into pieces and ride on the
+text events of their piece (emit/logprobs.py says which), handed to the emitter with each event. A request
+without them takes none of that path.
 """
 
 from __future__ import annotations
