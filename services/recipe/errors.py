@@ -34,7 +34,7 @@ class ConversionError(Exception):
 
 class FieldRefusal(ConversionError):
     """A 400 the reference does not give, about one request feature: a field we read and it does not (a vLLM
-    extension with a bad value) or one neither side honours that we refuse instead of dropping (logprobs,
+    extension with a bad value) or one neither side honours that we refuse instead of dropping (prompt_logprobs,
     penalties, image input...). Raised only after every check the reference makes, so a request it refuses
     is still refused in its words. `field` is the top-level body field at fault (the client's `param`), or
     None when the fault is inside the content (an image part)."""

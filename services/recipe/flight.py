@@ -137,7 +137,7 @@ class Flight:
             if nxt.token_ids:
                 self._taken += len(nxt.token_ids)
                 self._ids += nxt.token_ids
-                events += p.push(Tokens(nxt.token_ids))
+                events += p.push(Tokens(nxt.token_ids, nxt.logprobs or None))
             self._next = nxt.index + max(len(nxt.token_ids), 1)
             if nxt.finish_reason is not None:
                 engine_finished, finished_by = True, nxt.migration

@@ -480,6 +480,7 @@ def sampling_params(inference: InferenceSpec, max_tokens: int, seed: int, eos_id
         presence_penalty=inference.presence_penalty,
         frequency_penalty=inference.frequency_penalty,
         logit_bias=dict(inference.logit_bias),
+        logprobs=(inference.top_logprobs or 0) if inference.logprobs else None,
         seed=seed,
         stop_token_ids=[] if inference.ignore_eos else sorted(eos_ids),
         ignore_eos=inference.ignore_eos,

@@ -131,8 +131,8 @@ def test_fields_not_honoured_are_named_in_the_400(mesh: Mesh) -> None:
     oai = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="k", max_retries=0, timeout=60)
     hi = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=MODEL, messages=hi, max_tokens=3, logprobs=True)
-    assert err.value.param == "logprobs" and "logprobs is not supported" in err.value.message
+        oai.chat.completions.create(model=MODEL, messages=hi, max_tokens=3, extra_body={"prompt_logprobs": 1})
+    assert err.value.param == "prompt_logprobs" and "prompt_logprobs is not supported" in err.value.message
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}]
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\] \(image_url\): image and file"):
         oai.chat.completions.create(model=MODEL, messages=image, max_tokens=3)

@@ -12,12 +12,14 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import anthropic
 import openai
 import orjson
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
@@ -106,6 +108,76 @@ def test_responses_and_completions_over_openai_sdk(oai: openai.OpenAI) -> None:
     assert "".join(deltas) == response.output_text
     completion = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
     assert "Paris" in completion.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[tuple[Callable[[list[int]], torch.Tensor], Callable[[int], bytes]]]:
+    """The model's own log-softmax after a token sequence, from an engine in this process (CPU), and the
+    tokenizer's bytes per id."""
+    from shared.engine.engine import Engine, EngineRequest
+    from shared.engine.loader import load
+    from shared.models import resolve
+    from shared.tokenizer import load_tokenizer
+
+    files = resolve(MODEL)
+    engine = Engine(load(files), kv_blocks=64)
+
+    def logprobs_after(ids: list[int]) -> torch.Tensor:
+        engine.add(EngineRequest("ref", ids, SamplingParams(temperature=0.0), 1))
+        logits = engine.runner.run(engine.scheduler.schedule())[0]
+        engine.abort("ref")
+        return torch.log_softmax(logits.double().cpu(), dim=-1)
+
+    yield logprobs_after, load_tokenizer(files).token_bytes
+
+
+def _check_greedy_logprobs(prompt: list[int], entries: list[tuple[bytes, float, list[tuple[bytes, float]]]],
+                           count: int, reference: tuple[Callable[[list[int]], torch.Tensor], Callable[[int], bytes]]
+                           ) -> None:
+    """Each reported token is the reference's most likely one after the prompt and the tokens before it, its
+    logprob that maximum, and its `count` alternatives the reference's top ones, most likely first."""
+    logprobs_after, token_bytes = reference
+    ids = list(prompt)
+    assert entries
+    for raw, logprob, top in entries:
+        ref = logprobs_after(ids)
+        best = int(ref.argmax())
+        assert raw == token_bytes(best)  # greedy: the chosen token is the top-1
+        assert logprob == pytest.approx(float(ref.max()), abs=2e-3)
+        assert len(top) == count
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert [v for _, v in top] == pytest.approx(ref.topk(count).values.tolist(), abs=2e-3)
+        assert top[0] == (raw, logprob)
+        ids.append(best)
+
+
+def test_logprobs_of_greedy_tokens_are_the_models_own(oai: openai.OpenAI, mesh: Mesh, reference: Any) -> None:
+    """Chat (streaming and not) and Completions through the official SDK: the logprobs a client reads are the
+    log-softmax of the model's logits, ranked."""
+    prompt = asyncio.run(_post(f"{mesh.base_url}/tokenize", orjson.dumps({"model": MODEL, "messages": FRANCE})))[1]
+    asked = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 6, "logprobs": True,
+             "top_logprobs": 3}
+    reply = oai.chat.completions.create(**asked)
+    content = reply.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
+    entries = [(bytes(e.bytes), e.logprob, [(bytes(t.bytes), t.logprob) for t in e.top_logprobs]) for e in content]
+    _check_greedy_logprobs(prompt["tokens"], entries, 3, reference)
+    streamed = [e for c in oai.chat.completions.create(**asked, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    no_top = oai.chat.completions.create(**{**asked, "top_logprobs": None})
+    assert [e.top_logprobs for e in no_top.choices[0].logprobs.content] == [[]] * len(content)
+    text = "The capital of France is"
+    prompt = asyncio.run(_post(f"{mesh.base_url}/tokenize", orjson.dumps({"model": MODEL, "prompt": text})))[1]
+    completion = oai.completions.create(model=MODEL, prompt=text, max_tokens=5, temperature=0, logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.text_offset) == len(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    entries = [(tok.encode(), v, [(t.encode(), x) for t, x in top.items()])
+               for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)]
+    _check_greedy_logprobs(prompt["tokens"], entries, 2, reference)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oai.chat.completions.create(**{**asked, "top_logprobs": 21})
 
 
 def test_anthropic_count_tokens_matches_usage(mesh: Mesh) -> None:

@@ -102,6 +102,38 @@ def test_chat_streaming_equals_non_streaming(oai: openai.OpenAI, mode: dict[str,
     assert oai.chat.completions.create(**ask).choices[0].message == message  # the same tokens, asked again
 
 
+@pytest.mark.parametrize("mode", [MODES["thinking-seeded"], MODES["greedy"]], ids=["thinking-seeded", "greedy"])
+def test_logprobs_in_chat_and_responses(oai: openai.OpenAI, mode: dict[str, Any]) -> None:
+    """DeepSeek's formats through prefill and decode: reasoning tokens under `reasoning_content` (the reference's
+    key), answer tokens under `content`, each with its alternatives most likely first; streamed as returned."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 10,
+           "temperature": 0.0, "logprobs": True, "top_logprobs": 2, **mode}
+    reply = oai.chat.completions.create(**ask)
+    lp = reply.choices[0].logprobs
+    entries = {"content": lp.content or [], "reasoning_content": (lp.model_extra or {}).get("reasoning_content") or []}
+    channel = "content" if "extra_body" in mode else "reasoning_content"
+    assert entries[channel]
+    for e in entries["content"] + [openai.types.chat.ChatCompletionTokenLogprob(**x)
+                                   for x in entries["reasoning_content"]]:
+        assert bytes(e.bytes).decode("utf-8", "replace") and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob and e.logprob <= e.top_logprobs[0].logprob
+        if "extra_body" in mode:  # greedy: the chosen token is the most likely one
+            assert (e.token, e.logprob) == (e.top_logprobs[0].token, e.top_logprobs[0].logprob)
+    streamed: dict[str, list] = {"content": [], "reasoning_content": []}
+    for chunk in oai.chat.completions.create(**ask, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            got = chunk.choices[0].logprobs.model_dump()
+            for key in streamed:
+                streamed[key] += got.get(key) or []
+    assert streamed["content"] == [e.model_dump() for e in entries["content"]]
+    assert streamed["reasoning_content"] == entries["reasoning_content"]
+    if "extra_body" in mode:
+        response = oai.responses.create(model=MODEL, input="Name three colors.", max_output_tokens=10,
+                                        temperature=0.0, top_logprobs=2, reasoning={"effort": "none"})
+        part = response.output[-1].content[0]
+        assert [(x.token, x.logprob) for x in part.logprobs] == [(e.token, e.logprob) for e in entries["content"]]
+
+
 def test_repeated_long_prompt_restores_its_blocks(oai: openai.OpenAI, mesh: Mesh) -> None:
     first, second = oai.chat.completions.create(**LONG), oai.chat.completions.create(**LONG)
     n = first.usage.prompt_tokens

@@ -9,8 +9,11 @@ against the oracle (services/recipe/convert/fields.py has the rules).
    reference's Chat Completions refuses the role.
 4. presence/frequency penalties and logit_bias reach the engine (the reference passes them to its backend);
    a malformed logit_bias, which the reference does not read, is refused by name.
-5. What we cannot honour is refused by name instead of passed on: logprobs, a regex response_format, Responses' top_logprobs, and image or file input (the reference shows V4 the
-   text "[Unsupported Image]"). The neutral values (false, 0) still pass, exactly as the reference converts.
+5. What we cannot honour is refused by name instead of passed on: a regex response_format and image or file
+   input (the reference shows V4 the text "[Unsupported Image]"). The neutral values still pass, exactly as
+   the reference converts.
+6. logprobs / top_logprobs convert exactly as the reference converts them (and are served); Responses'
+   `include: ["message.output_text.logprobs"]` also asks for them (OpenAI's way), which the reference ignores.
 """
 
 from __future__ import annotations
@@ -106,10 +109,7 @@ def test_developer_messages_are_system_instructions() -> None:
 
 
 @pytest.mark.parametrize("api, body, field", [
-    ("chat", chat(logprobs=True), "logprobs"),
-    ("chat", chat(logprobs=True, top_logprobs=3), "logprobs"),
     ("chat", chat(response_format={"type": "regex", "regex": "[a-z]+"}), "response_format"),
-    ("responses", {"model": PRO, "input": "hi", "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(api: str, body: dict, field: str) -> None:
     oracle(api, body)  # the reference accepts the request (and leaves the field to a backend)
@@ -127,6 +127,26 @@ def test_fields_we_cannot_honour_are_refused_by_name(api: str, body: dict, field
 def test_neutral_values_still_pass_as_the_reference_converts(api: str, body: dict) -> None:
     assert compare_request(api, body) is None
     convert(api, body)
+
+
+@pytest.mark.parametrize("api, body, asked", [
+    ("chat", chat(logprobs=True), (True, None)), ("chat", chat(logprobs=True, top_logprobs=3), (True, 3)),
+    ("chat", chat(logprobs=True, top_logprobs=21), None), ("chat", chat(top_logprobs=2), None),
+    ("responses", {"model": PRO, "input": "hi", "top_logprobs": 2}, (True, 2)),
+    ("responses", {"model": PRO, "input": "hi", "top_logprobs": 21}, None),
+])
+def test_logprobs_convert_as_the_reference_converts(api: str, body: dict, asked: tuple | None) -> None:
+    assert compare_request(api, body) is None
+    if asked is not None:
+        io = convert(api, body).inference
+        assert (io.logprobs, io.top_logprobs) == asked
+
+
+def test_responses_include_asks_for_logprobs_where_the_reference_ignores_it() -> None:
+    body = {"model": PRO, "input": "hi", "include": ["message.output_text.logprobs"]}
+    assert oracle("responses", body).inference_options.logprobs is False
+    assert convert("responses", body).inference.logprobs is True
+    assert compare_request("responses", {**body, "include": ["reasoning.encrypted_content"]}) is None
 
 
 def test_a_refusal_never_hides_the_reference_error() -> None:

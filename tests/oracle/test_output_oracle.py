@@ -31,6 +31,7 @@ from services.recipe.emit import End, OutputProcessor, Ready, Text, Tokens  # no
 from services.recipe.parse import TokenTable  # noqa: E402
 from services.recipe.prepared import InferenceSpec, ParsingSpec, PreparedRequest  # noqa: E402
 from shared.deepseek_tokenizer import deepseek_tokenizer_dir, load_deepseek_tokenizer  # noqa: E402
+from shared.schemas.generate import TokenLogprob  # noqa: E402
 
 TK = dr.Tokenizer.from_file(str(deepseek_tokenizer_dir() / "tokenizer.json"))
 OUR_TOKENIZER = load_deepseek_tokenizer()
@@ -202,7 +203,8 @@ def request(draw: st.DrawFn) -> tuple[str, dict[str, Any], bool, bool, bool]:
 # --- both processors -------------------------------------------------------------------------------------------
 
 
-def run_oracle(api: str, body: dict[str, Any], chunks: list[Any], finish: str | None) -> tuple[list, str, dict]:
+def run_oracle(api: str, body: dict[str, Any], chunks: list[Any], finish: str | None,
+               logprobs: list[list[TokenLogprob]] | None = None) -> tuple[list, str, dict]:
     req = REQUESTS[api](body)
     extra: dict[str, Any] = {}
     if api == "responses":
@@ -215,13 +217,16 @@ def run_oracle(api: str, body: dict[str, Any], chunks: list[Any], finish: str | 
     sp = dr.StreamProcessor(generator, converted.parsing_options, TK)
     pushes = [sp.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
         prompt_tokens=USAGE[0], prompt_cache_hit_tokens=USAGE[1])))]
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         if sp.finished:
             break
         if isinstance(chunk, str):
             pushes.append(sp.push(dr.InferenceChunk.text(chunk, 1)))
-        else:
+        elif logprobs is None:
             pushes.append(sp.push(dr.InferenceChunk.tokens(chunk)))
+        else:
+            pairs = [(lp.logprob, list(zip(lp.top_ids, lp.top_logprobs))) for lp in logprobs[i]]
+            pushes.append(sp.push(dr.InferenceChunk.tokens(chunk, pairs)))
     if finish is not None and not sp.finished:
         pushes.append(sp.push(dr.InferenceChunk.finish(FINISH[finish])))
     pushes.append(sp.finish() if not sp.finished else [])
@@ -243,7 +248,7 @@ def run_oracle(api: str, body: dict[str, Any], chunks: list[Any], finish: str | 
 
 
 def run_ours(api: str, body: dict[str, Any], info: dict, chunks: list[Any], finish: str | None,
-             tokens: bool) -> tuple[list, str]:
+             tokens: bool, logprobs: list[list[TokenLogprob]] | None = None) -> tuple[list, str]:
     stream_options = body.get("stream_options") or {}
     prepared = PreparedRequest(
         api=api, model=body["model"], encoding="v4", stream=bool(body.get("stream")),
@@ -252,10 +257,11 @@ def run_ours(api: str, body: dict[str, Any], info: dict, chunks: list[Any], fini
     p = OutputProcessor(prepared, response_id="ID", created=0, tokens=TABLE if tokens else None,
                         count_tokens=count_tokens)
     pushes = [p.push(Ready(*USAGE))]
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         if p.done:
             break
-        pushes.append(p.push(Text(chunk, 1) if isinstance(chunk, str) else Tokens(chunk)))
+        lps = None if logprobs is None else logprobs[i]
+        pushes.append(p.push(Text(chunk, 1) if isinstance(chunk, str) else Tokens(chunk, lps)))
     if finish is not None and not p.done:
         pushes.append(p.push(End(finish)))  # type: ignore[arg-type]
     pushes.append(p.finish())
@@ -263,9 +269,10 @@ def run_ours(api: str, body: dict[str, Any], info: dict, chunks: list[Any], fini
     return events, normalise(p.body().decode())
 
 
-def compare(api: str, body: dict[str, Any], chunks: list[Any], finish: str | None, tokens: bool) -> None:
-    o_events, o_body, info = run_oracle(api, body, chunks, finish)
-    u_events, u_body = run_ours(api, body, info, chunks, finish, tokens)
+def compare(api: str, body: dict[str, Any], chunks: list[Any], finish: str | None, tokens: bool,
+            logprobs: list[list[TokenLogprob]] | None = None) -> None:
+    o_events, o_body, info = run_oracle(api, body, chunks, finish, logprobs)
+    u_events, u_body = run_ours(api, body, info, chunks, finish, tokens, logprobs)
     if body.get("stream"):
         assert len(u_events) == len(o_events)
         for i, (ours, oracle) in enumerate(zip(u_events, o_events)):
@@ -313,6 +320,66 @@ def test_token_chunks_match_the_oracle(data: st.DataObject) -> None:
     chunks = [c for c in split(data.draw, ids) if c]
     finish = data.draw(st.sampled_from(["stop", "length", "content_filter", None]))
     compare(api, body, chunks, finish, tokens=True)
+
+
+# Logprobs as the engine makes them (f32 values, the most likely first), and the odd ones: tiny (a near-certain
+# token), huge, zero, -inf; top ids anywhere in the vocabulary: added tokens, ids that cut a character, ids
+# past the vocabulary (padded logits).
+LOGPROB = (st.floats(-40.0, 0.0, width=32) | st.sampled_from([-0.0, -1.1920929e-07, -2.3841858e-06, -1e-06, -5e-08,
+                                                             -1e13, -9999.0, float("-inf")]))
+SPECIAL_IDS = sorted(TABLE.added)[:64]
+TOP_ID = st.integers(0, len(TABLE.token_bytes) + 8) | st.sampled_from(SPECIAL_IDS) | st.sampled_from([53769, 225])
+
+
+@st.composite
+def token_logprob(draw: st.DrawFn, tid: int) -> TokenLogprob:
+    top = sorted(draw(st.lists(LOGPROB, max_size=3)), reverse=True)
+    ids = draw(st.lists(TOP_ID, min_size=len(top), max_size=len(top)))
+    if top and draw(st.booleans()):
+        ids[0] = tid  # greedy: the sampled id is the most likely one
+    return TokenLogprob(draw(LOGPROB), ids, top)
+
+
+@SETTINGS
+@given(st.data())
+def test_token_chunks_with_logprobs_match_the_oracle(data: st.DataObject) -> None:
+    """Each text delta carries its tokens' entries (Chat's `content` / `reasoning_content`, Responses' output
+    text deltas and parts, none for Messages), exactly as the oracle writes them."""
+    api, body, reasoning, tools, json_mode = data.draw(request())
+    if api == "chat":
+        body |= {"logprobs": True, "top_logprobs": 3}
+    elif api == "responses":
+        body["top_logprobs"] = 3
+    parts = data.draw(output(reasoning, tools, json_mode))
+    ids = [i for text, markup in parts for i in (TK.encode(text) if markup else plain_ids(text))]
+    ids = _whole_characters(cut(data.draw, ids))
+    chunks = [c for c in split(data.draw, ids) if c]
+    logprobs = [[data.draw(token_logprob(t)) for t in chunk] for chunk in chunks]
+    finish = data.draw(st.sampled_from(["stop", "length", "content_filter", None]))
+    compare(api, body, chunks, finish, tokens=True, logprobs=logprobs)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_logprobs_of_reasoning_json_and_a_split_character(api: str, stream: bool) -> None:
+    """The cases the generated ones may miss: reasoning then an answer, a JSON answer that one piece cuts into
+    three deltas (the oracle repeats the piece's entries on each), an emoji split over two tokens."""
+    body: dict[str, Any] = {"model": "DeepSeek-V4-Pro", "stream": stream}
+    if api == "chat":
+        body |= {"messages": [{"role": "user", "content": "hi json"}], "logprobs": True, "top_logprobs": 2}
+    else:
+        body |= {"input": "hi json", "top_logprobs": 2, "reasoning": {"effort": "high"}}
+    ids = plain_ids("ab\n\n") + TK.encode("</think>") + plain_ids("\n\nSure {\"a\": 1} \U0001F600 bye")
+    lps = [TokenLogprob(-0.25 * (i + 1), [t, 7], [-0.25 * (i + 1), -3.5]) for i, t in enumerate(ids)]
+    for size in (1, 2, len(ids)):
+        chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
+        compare(api, body, chunks, "stop", tokens=True,
+                logprobs=[lps[i : i + size] for i in range(0, len(ids), size)])
+    json_body = {**body, **({"response_format": {"type": "json_object"}, "thinking": {"type": "disabled"}}
+                            if api == "chat" else {"text": {"format": {"type": "json_object"}},
+                                                   "reasoning": {"effort": "none"}})}
+    answer = plain_ids("Sure {\"a\": 1} bye")
+    compare(api, json_body, [answer], "stop", tokens=True, logprobs=[lps[: len(answer)]])
 
 
 @pytest.mark.parametrize("api", ["chat", "messages", "responses"])

@@ -40,7 +40,7 @@ CASES: list[Any] = [
                   "stop_sequences": ["so"], "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
     ("responses", {"input": "hi"}),
     ("responses", {"input": "hi", "instructions": "brief", "max_output_tokens": 500, "temperature": 0.3,
-                   "top_p": 0.7, "top_logprobs": 0, "user": "u", "reasoning": {"effort": "none"}}),  # >0: refused
+                   "top_p": 0.7, "top_logprobs": 3, "user": "u", "reasoning": {"effort": "none"}}),
     ("responses", {"input": "hi", "tools": [F], "tool_choice": "auto", "reasoning": {"summary": "auto"}}),
     ("responses", {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "description": "d", "tools": [F]}]}),
     ("responses", {"input": "hi json", "text": {"format": {"type": "json_object"}, "verbosity": "low"}}),

@@ -133,13 +133,11 @@ def test_min_tokens_may_not_exceed_max_tokens() -> None:
 
 
 @pytest.mark.parametrize("api, field, value", [
-    ("chat", "logprobs", True), ("chat", "response_format", {"type": "regex", "regex": "a+"}),
+    ("chat", "response_format", {"type": "regex", "regex": "a+"}),
     ("chat", "stop_token_ids", [7]), ("chat", "use_beam_search", True), ("chat", "functions", [{"name": "f"}]),
     ("chat", "audio", {"voice": "x"}), ("chat", "modalities", ["text", "audio"]), ("chat", "guided_json", {}),
     ("chat", "skip_special_tokens", False), ("chat", "echo", True), ("chat", "prompt_logprobs", 1),
-    ("completions", "logprobs", 0),
     ("completions", "guided_regex", "a"), ("completions", "response_format", {"type": "json_object"}),
-    ("responses", "top_logprobs", 3), ("responses", "include", ["message.output_text.logprobs"]),
     ("responses", "background", True), ("responses", "prompt", {"id": "p"}),
     ("messages", "mcp_servers", [{"url": "x"}]), ("messages", "output_format", {"type": "json_schema"}),
 ])
@@ -172,6 +170,36 @@ def test_neutral_and_harmless_values_pass(api: str, fields: dict[str, Any]) -> N
     base = {"chat": {"messages": [USER]}, "completions": {"prompt": "a"}, "responses": {"input": "hi"},
             "messages": {"messages": [USER], "max_tokens": 5}}[api]
     convert(api, {"model": SMOL, **base, **fields}, OPTIONS)
+
+
+@pytest.mark.parametrize("api, fields, count", [
+    ("chat", {"logprobs": True}, 0), ("chat", {"logprobs": True, "top_logprobs": 5}, 5),
+    ("chat", {"logprobs": False}, None), ("chat", {}, None),
+    ("completions", {"logprobs": 0}, 0), ("completions", {"logprobs": 5}, 5), ("completions", {}, None),
+    ("responses", {"top_logprobs": 3}, 3), ("responses", {"top_logprobs": 0}, 0),
+    ("responses", {"include": ["message.output_text.logprobs"]}, 0),
+    ("responses", {"include": ["message.output_text.logprobs"], "top_logprobs": 4}, 4),
+    ("responses", {"include": ["reasoning.encrypted_content"]}, None),
+])
+def test_logprobs_reach_the_sampling_params(api: str, fields: dict[str, Any], count: int | None) -> None:
+    base = {"chat": {"messages": [USER]}, "completions": {"prompt": "a"}, "responses": {"input": "hi"}}[api]
+    prepared = convert(api, {"model": SMOL, **base, **fields}, OPTIONS)
+    assert sampling_params(prepared.inference, 10, 1, [2]).logprobs == count
+
+
+@pytest.mark.parametrize("api, fields, message", [
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "Invalid top_logprobs value, the valid range of top_logprobs "
+                                                     "is [0, 20]."),
+    ("chat", {"top_logprobs": 2}, "Invalid top_logprobs and logprobs value, logprobs must be set to true if "
+                                  "top_logprobs is used."),
+    ("completions", {"logprobs": 6}, "Invalid logprobs value, the valid range of logprobs is [0, 5]"),
+    ("responses", {"top_logprobs": 21}, "Invalid top_logprobs value, the valid range of top_logprobs is [0, 20]."),
+])
+def test_logprobs_out_of_range_are_a_400(api: str, fields: dict[str, Any], message: str) -> None:
+    base = {"chat": {"messages": [USER]}, "completions": {"prompt": "a"}, "responses": {"input": "hi"}}[api]
+    with pytest.raises(ConversionError) as info:
+        convert(api, {"model": SMOL, **base, **fields}, OPTIONS)
+    assert (info.value.status, info.value.message) == (400, message)
 
 
 def test_previous_response_id_and_store_are_left_to_the_responses_store() -> None:

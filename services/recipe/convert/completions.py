@@ -4,7 +4,7 @@ documented semantics, as vLLM serves them.
 The prompt is raw: a string or token ids (one prompt: a string, [string], [ids] or [[ids]]), encoded without
 any template and without thinking. OpenAI's defaults apply: max_tokens 16, at most 4 stop strings. Features
 that would change the response's shape and that we do not serve (n > 1, best_of, echo, suffix) are refused;
-vLLM's sampling fields and the other refusals (logprobs, penalties, logit_bias) are `convert/fields.py`'s.
+vLLM's sampling fields and the other refusals are `convert/fields.py`'s.
 """
 
 from __future__ import annotations

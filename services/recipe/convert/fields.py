@@ -4,9 +4,12 @@ reference makes comes first and a request it refuses is still refused in its wor
 
     honoured   chat: max_completion_tokens (the smaller of it and max_tokens), presence_penalty,
                frequency_penalty, logit_bias, top_k, min_p, repetition_penalty, min_tokens, ignore_eos;
-               completions: the same but max_completion_tokens;  messages: top_k (Anthropic's own)
-    refused    a field of REFUSED[api] sent with a value that is not its neutral one (penalty 0, logprobs
-               false, n 1 are neutral): a 400 naming the field (FieldRefusal, the OpenAI error's `param`)
+               completions: the same but max_completion_tokens;  messages: top_k (Anthropic's own);
+               responses: `include: ["message.output_text.logprobs"]` asks for logprobs (OpenAI's way; the
+               reference reports them for `top_logprobs` alone, and so do we)
+               (logprobs / top_logprobs themselves are the converters': the reference reads them)
+    refused    a field of REFUSED[api] sent with a value that is not its neutral one (penalty 0, n 1,
+               prompt_logprobs none are neutral): a 400 naming the field (FieldRefusal, the OpenAI error's `param`)
     harmless   everything else, read and ignored like the reference does (user, metadata, store,
                service_tier, parallel_tool_calls, stream_options.continuous_usage_stats) or unknown
 
@@ -101,6 +104,8 @@ def apply(api: Api, body: Any, prepared: PreparedRequest, options: ConvertOption
     if max_tokens is not None and changes.get("min_tokens", 0) > max_tokens:
         raise FieldRefusal(f"min_tokens ({changes['min_tokens']}) must be at most max_tokens ({max_tokens})",
                            "min_tokens")
+    if api == "responses" and not inference.logprobs and _asks_logprobs(body.get("include")):
+        changes["logprobs"] = True  # no top_logprobs: the sampled tokens' alone
     refuse(api, body)
     return replace(prepared, inference=replace(inference, **changes)) if changes else prepared
 
@@ -171,11 +176,11 @@ def _no_regex(v: Any) -> bool:
     return not (isinstance(v, dict) and v.get("type") == "regex")
 
 
-def _no_logprobs_include(v: Any) -> bool:
-    return not (isinstance(v, list) and "message.output_text.logprobs" in v)
+def _asks_logprobs(include: Any) -> bool:
+    return isinstance(include, list) and "message.output_text.logprobs" in include
 
 
-LOGPROBS = "log probabilities are not reported yet"
+LOGPROBS = "the prompt's log probabilities are not reported (the output's are: logprobs)"
 GUIDED = "constrained decoding is not served yet"
 
 # Field -> (its neutral values, why it is refused otherwise). Sampling and output fields of OpenAI's APIs and of
@@ -198,7 +203,6 @@ _OPENAI: dict[str, tuple[Neutral, str]] = {
 }
 REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
     "chat": {
-        "logprobs": (_false, LOGPROBS),
         **_OPENAI,
         "response_format": (_no_regex, "a regex response_format needs constrained decoding, not served yet"),
         "audio": (_none, "audio output is not served"),
@@ -215,7 +219,6 @@ REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
         "documents": (_none, "documents are not passed to chat templates"),
     },
     "completions": {
-        "logprobs": (_none, LOGPROBS),
         **_OPENAI,
         "response_format": (_none, GUIDED),
         "prompt_embeds": (_none, "prompt embeddings are not served"),
@@ -226,8 +229,6 @@ REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
         "output_format": (_none, GUIDED),
     },
     "responses": {
-        "top_logprobs": (_zero, LOGPROBS),
-        "include": (_no_logprobs_include, LOGPROBS),
         "background": (_false, "background responses are not served"),
         "conversation": (_none, "stored conversations are not served"),
         "prompt": (_none, "stored prompt templates are not served"),

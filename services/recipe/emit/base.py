@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import orjson
 
 from services.recipe.parse.stream import Event as ParseEvent
+
+if TYPE_CHECKING:
+    from services.recipe.emit.logprobs import Entry
 
 StreamEvent = tuple[str | None, bytes]  # (SSE event name, None = an unnamed `data:` line; JSON data)
 
@@ -44,11 +47,13 @@ class Finish:
 
 class Emitter(Protocol):
     """One request's output in one API. `start` once (the prompt usage is known), `event` per parser event,
-    `finish` once; each returns the stream events to send (empty when not streaming). `body` after finish."""
+    `finish` once; each returns the stream events to send (empty when not streaming). `body` after finish.
+    `logprobs`: the entries a text event carries when the request asked for them (emit/logprobs.py), else
+    None; an API without logprobs (Messages) ignores them."""
 
     def start(self, usage: Usage) -> list[StreamEvent]: ...
 
-    def event(self, ev: ParseEvent, out: list[StreamEvent]) -> None: ...
+    def event(self, ev: ParseEvent, out: list[StreamEvent], logprobs: list[Entry] | None = None) -> None: ...
 
     def finish(self, finish: Finish, usage: Usage) -> list[StreamEvent]: ...
 

@@ -11,6 +11,10 @@ the client asked for usage (stream_options.include_usage) and no usage key other
 
 The hot path is one content (or reasoning) delta per parser event: its chunk is prebuilt bytes around the
 JSON-encoded text, not a dict serialized per token.
+
+Logprobs (when asked): a chunk's `logprobs` holds the entries of the tokens behind its delta (emit/logprobs.py)
+under `content` or, for reasoning, `reasoning_content` (deepseek-recipe's key; OpenAI's reasoning models report
+none); the response's `logprobs` holds all of them, `content` first, each key only when it has entries, or null.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import secrets
 from typing import Any
 
 from services.recipe.emit.base import DONE_FRAME, Finish, StreamEvent, Usage, dumps
+from services.recipe.emit.logprobs import Entry, openai_json
 from services.recipe.parse.stream import Event as ParseEvent
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
@@ -66,6 +71,8 @@ class ChatEmitter:
         self._usage = Usage()
         self._head = b""
         self._tail = b""
+        self._lp_tail = b""
+        self._lp: dict[str, list[dict[str, Any]]] = {"content": [], "reasoning_content": []}
 
     def set_fingerprint(self, fingerprint: str | None) -> None:
         self._fingerprint = fingerprint
@@ -74,13 +81,22 @@ class ChatEmitter:
         head = {"id": self._id, "object": "chat.completion.chunk", "created": self._created, "model": self._model,
                 "system_fingerprint": self._fingerprint}
         self._head = dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
-        self._tail = b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null}' if self._usage_key else b"}")
+        self._lp_tail = b',"finish_reason":null}]' + (b',"usage":null}' if self._usage_key else b"}")
+        self._tail = b',"logprobs":null' + self._lp_tail
         null = b',"reasoning_content":null}' if self._thinking else b"}"
         self._content_open, self._content_close = b'{"content":', null
         self._reasoning_open = b'{"content":null,"reasoning_content":'
 
     def _chunk(self, delta: bytes) -> StreamEvent:
         return (None, self._head + delta + self._tail)
+
+    def _logprobs(self, key: str, entries: list[Entry] | None) -> bytes:
+        """The chunk's tail with its `logprobs`; the entries also go into the response's."""
+        if not entries:
+            return self._tail
+        items = openai_json(entries)
+        self._lp[key] += items
+        return b',"logprobs":' + dumps({key: items}) + self._lp_tail
 
     def start(self, usage: Usage) -> list[StreamEvent]:
         self._prebuild()
@@ -94,17 +110,19 @@ class ChatEmitter:
             delta = b'{"role":"assistant","content":""}'
         return [self._chunk(delta)]
 
-    def event(self, ev: ParseEvent, out: list[StreamEvent]) -> None:
+    def event(self, ev: ParseEvent, out: list[StreamEvent], logprobs: list[Entry] | None = None) -> None:
         kind = ev[0]
         if kind == "content":
             self._content.append(ev[1])
+            tail = self._logprobs("content", logprobs)
             if self._stream:
-                out.append(self._chunk(self._content_open + dumps(ev[1]) + self._content_close))
+                out.append((None, self._head + self._content_open + dumps(ev[1]) + self._content_close + tail))
         elif kind == "reasoning":
             self._has_reasoning = True
             self._reasoning.append(ev[1])
+            tail = self._logprobs("reasoning_content", logprobs)
             if self._stream:
-                out.append(self._chunk(self._reasoning_open + dumps(ev[1]) + b"}"))
+                out.append((None, self._head + self._reasoning_open + dumps(ev[1]) + b"}" + tail))
         elif kind == "args":
             index, text = ev[1], ev[2]
             self._args[index].append(text)
@@ -145,7 +163,7 @@ class ChatEmitter:
             ]
         return dumps({
             "id": self._id, "object": "chat.completion", "created": self._created, "model": self._model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": {k: v for k, v in self._lp.items() if v} or None,
                          "finish_reason": _FINISH[self._finish.reason]}],
             "usage": usage_json(self._usage, self._thinking),
             "system_fingerprint": self._fingerprint,

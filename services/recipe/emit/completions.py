@@ -2,6 +2,10 @@
 reference and vLLM. Completions continue raw text, so only answer text reaches here (no reasoning, no tool
 calls: the processor parses completions as plain text with stop sequences).
 
+Logprobs (when asked, `logprobs: n`): each chunk's `logprobs` has the tokens behind its text (emit/logprobs.py)
+as parallel lists, `text_offset` counted in characters from the start of the completion; the response's has
+them all.
+
 Streaming: one chunk per text delta, a final chunk with `finish_reason`, then, when the client asked for it
 (stream_options.include_usage), a usage chunk with no choices; until then chunks carry `"usage": null`.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.recipe.emit.base import DONE_FRAME, Finish, StreamEvent, Usage, dumps
+from services.recipe.emit.logprobs import CompletionsLogprobs, Entry
 from services.recipe.parse.stream import Event as ParseEvent
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
@@ -26,16 +31,21 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 class CompletionsEmitter:
     done_frame = DONE_FRAME
 
-    def __init__(self, response_id: str, model: str, created: int, *, stream: bool, include_usage: bool) -> None:
+    def __init__(self, response_id: str, model: str, created: int, *, stream: bool, include_usage: bool,
+                 logprobs: bool = False) -> None:
+        """`logprobs`: the request asked for them (the response then has a `logprobs` object, empty or not)."""
         self._id, self._model, self._created = response_id, model, created
         self._stream = stream
         self._include_usage = include_usage
         self._text: list[str] = []
+        self._chars = 0  # characters of text so far: the next delta's text_offset
+        self._logprobs = CompletionsLogprobs() if logprobs else None
         self._finish: Finish | None = None
         self._usage = Usage()
         self._head = dumps({"id": response_id, "object": "text_completion", "created": created, "model": model,
                             "system_fingerprint": None})[:-1] + b',"choices":[{"index":0,"text":'
-        self._tail = b',"logprobs":null,"finish_reason":null}]' + (b',"usage":null}' if include_usage else b"}")
+        self._lp_tail = b',"finish_reason":null}]' + (b',"usage":null}' if include_usage else b"}")
+        self._tail = b',"logprobs":null' + self._lp_tail
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> StreamEvent:
         chunk: dict[str, Any] = {"id": self._id, "object": "text_completion", "created": self._created,
@@ -47,12 +57,18 @@ class CompletionsEmitter:
     def start(self, usage: Usage) -> list[StreamEvent]:
         return []
 
-    def event(self, ev: ParseEvent, out: list[StreamEvent]) -> None:
+    def event(self, ev: ParseEvent, out: list[StreamEvent], logprobs: list[Entry] | None = None) -> None:
         if ev[0] != "content":
             return
-        self._text.append(ev[1])
+        text = ev[1]
+        self._text.append(text)
+        tail = self._tail
+        if logprobs and self._logprobs is not None:
+            part = self._logprobs.add(logprobs, self._chars)
+            tail = b',"logprobs":' + dumps(part) + self._lp_tail
+        self._chars += len(text)
         if self._stream:
-            out.append((None, self._head + dumps(ev[1]) + self._tail))
+            out.append((None, self._head + dumps(text) + tail))
 
     def finish(self, finish: Finish, usage: Usage) -> list[StreamEvent]:
         self._finish, self._usage = finish, usage
@@ -66,7 +82,8 @@ class CompletionsEmitter:
 
     def body(self) -> bytes:
         assert self._finish is not None, "body() before finish()"
-        choice = {"index": 0, "text": "".join(self._text), "logprobs": None,
+        choice = {"index": 0, "text": "".join(self._text),
+                  "logprobs": None if self._logprobs is None else self._logprobs.json(),
                   "finish_reason": _FINISH[self._finish.reason]}
         return dumps({"id": self._id, "object": "text_completion", "created": self._created, "model": self._model,
                       "system_fingerprint": None, "choices": [choice], "usage": usage_json(self._usage)})

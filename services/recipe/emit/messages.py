@@ -84,7 +84,8 @@ class MessagesEmitter:
             data = b'{"type":"' + kind.encode() + b'","' + field.encode() + b'":' + dumps(text) + b"}"
             out.append(("content_block_delta", self._delta_head + data + b"}"))
 
-    def event(self, ev: ParseEvent, out: list[StreamEvent]) -> None:
+    def event(self, ev: ParseEvent, out: list[StreamEvent], logprobs: object = None) -> None:
+        """`logprobs` are ignored: Anthropic's Messages API has no field for them."""
         kind = ev[0]
         if kind == "content":
             if self._kind != "text":

@@ -17,6 +17,10 @@ Usage: `completion_tokens` counts the ids of the pieces parsed for DeepSeek form
 none after a stop sequence's piece, none still held in a broken character), every id for chat-template
 models, a Text chunk's `token_count`, and the end-of-sentence id. `reasoning_tokens` is the token count of
 the reasoning text, re-encoded (deepseek-recipe's definition), when a counter is given.
+
+Logprobs: a Tokens chunk may carry one TokenLogprob per id; they follow the ids into pieces and ride on the
+text events of their piece (emit/logprobs.py says which), handed to the emitter with each event. A request
+without them takes none of that path.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from typing import Literal, Union
 from services.recipe.emit.base import Emitter, Finish, FinishReason, StreamEvent, Usage, sse
 from services.recipe.emit.chat import ChatEmitter
 from services.recipe.emit.completions import CompletionsEmitter
+from services.recipe.emit.logprobs import LogprobTrack
 from services.recipe.emit.messages import MessagesEmitter
 from services.recipe.emit.responses import ResponsesEmitter
 from services.recipe.parse.detok import TokenPieces, TokenTable
 from services.recipe.parse.stream import OutputParser
 from services.recipe.prepared import PreparedRequest
+from shared.schemas.generate import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Ready:
 @dataclass(frozen=True)
 class Tokens:
     token_ids: Sequence[int]
+    logprobs: Sequence[TokenLogprob] | None = None  # one per id, when the request asked (emit/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,8 @@ def _responses(p: PreparedRequest, rid: str, created: int, thinking: bool) -> Em
 
 
 def _completions(p: PreparedRequest, rid: str, created: int, thinking: bool) -> Emitter:
-    return CompletionsEmitter(rid, p.model, created, stream=p.stream, include_usage=p.include_usage)
+    return CompletionsEmitter(rid, p.model, created, stream=p.stream, include_usage=p.include_usage,
+                              logprobs=p.inference.logprobs)
 
 
 EMITTERS: dict[str, Callable[[PreparedRequest, str, int, bool], Emitter]] = {
@@ -104,6 +112,8 @@ class OutputProcessor:
         self._parser = OutputParser(prepared.parsing, plain=plain)  # text mode until the first Tokens chunk
         self._fed = False
         self._pieces = TokenPieces(tokens, skip_special=plain) if tokens is not None else None
+        self._table = tokens
+        self._track: LogprobTrack | None = None  # from the first Tokens chunk with logprobs
         # With ignore_eos the engine goes on past an end-of-sentence id, and so does the answer.
         self._eos = tokens.eos_ids if tokens is not None and not prepared.inference.ignore_eos else frozenset()
         self._count = count_tokens
@@ -140,7 +150,10 @@ class OutputProcessor:
             end = -1 if self._eos.isdisjoint(ids) else next(i for i, t in enumerate(ids) if t in self._eos)
             if self._plain:
                 self.usage.completion_tokens += len(ids) if end < 0 else end
-            self._feed(self._pieces.feed(ids if end < 0 else ids[:end]), out)
+            text_ids = ids if end < 0 else ids[:end]  # the end-of-sentence id is no text: its logprob is not reported
+            if chunk.logprobs is not None or self._track is not None:
+                self._logprobs(text_ids, chunk.logprobs)
+            self._feed(self._pieces.feed(text_ids), out)
             if end >= 0 and not self.done:
                 self.usage.completion_tokens += 1  # the end-of-sentence token was generated too
                 self._end("stop", out)
@@ -179,33 +192,52 @@ class OutputProcessor:
             self._started = True
             out += self._emitter.start(self.usage)
 
+    def _logprobs(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
+        if self._track is None:
+            assert self._table is not None and self._pieces is not None
+            self._track = LogprobTrack(self._table, self._pieces, once=self._plain)
+        self._track.feed(ids, logprobs)
+
     def _feed(self, pieces: list, out: list[StreamEvent]) -> None:
         """Token pieces: the usage counts the ids of the pieces parsed (not those after a stop sequence)."""
         assert self._pieces is not None
         counts = self._pieces.counts
+        if self._track is not None:
+            self._track.pieces(self._parser.seen, counts)
         events = self._parser.push(pieces)
         if not self._plain:  # chat-template models count every id, control tokens included (see push)
             self.usage.completion_tokens += sum(counts[: self._parser.consumed])
         self._events(events, out)
 
     def _events(self, events: list, out: list[StreamEvent]) -> None:
-        emit = self._emitter.event
-        for ev in events:
-            emit(ev, out)
+        emit, track = self._emitter.event, self._track
+        if track is None:
+            for ev in events:
+                emit(ev, out)
+        else:
+            for ev, piece in zip(events, self._parser.event_pieces):
+                emit(ev, out, track.entries(piece) if ev[0] in ("content", "reasoning") else None)
+            track.release(self._parser.front)
         if self._parser.stopped and not self.done:
             self._end("stop", out)
+
+    def _emit_all(self, events: list, out: list[StreamEvent]) -> None:
+        """The events of the end (no stop check: the turn is ending anyway)."""
+        emit, track = self._emitter.event, self._track
+        for ev, piece in zip(events, self._parser.event_pieces):
+            emit(ev, out, track.entries(piece) if track is not None and ev[0] in ("content", "reasoning") else None)
 
     def _end(self, reason: Literal["stop", "length", "content_filter"] | None, out: list[StreamEvent]) -> None:
         parser = self._parser
         if not parser.stopped:
             if self._pieces is not None:  # bytes still held: flushed, never lost (a deviation: see detok.py)
                 tail = self._pieces.flush()
-                for ev in parser.push(tail):
-                    self._emitter.event(ev, out)
+                if self._track is not None:
+                    self._track.pieces(parser.seen, self._pieces.counts)
+                self._emit_all(parser.push(tail), out)
                 if not self._plain:
                     self.usage.completion_tokens += sum(self._pieces.counts[: parser.consumed])
-            for ev in parser.finish():
-                self._emitter.event(ev, out)
+            self._emit_all(parser.finish(), out)
         self.done = True
         finish: FinishReason
         if parser.stopped:

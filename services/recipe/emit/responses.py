@@ -7,6 +7,10 @@ its *.done events when the next opens or the response ends. A message that tool 
 "commentary", otherwise as the "final_answer". Ending on max_tokens or a content filter makes the open item
 and the response "incomplete". Event keys after "type" are in alphabetical order, as the oracle writes them.
 
+Logprobs (when asked): each `response.output_text.delta` carries the entries of the tokens behind its text
+(emit/logprobs.py), and the message's `output_text` part (in its *.done events and the response) all of them;
+reasoning text reports none, as deepseek-recipe does.
+
 The response object reports request settings (`echo`, filled by the input side's conversion): instructions,
 max_output_tokens, reasoning, temperature, text, tool_choice, tools, top_logprobs, top_p, user, and (from the
 service, which keeps stored responses) store and previous_response_id. They may come
@@ -22,6 +26,7 @@ from typing import Any
 
 from services.recipe.emit.base import Finish, StreamEvent, Usage, dumps
 from services.recipe.emit.chat import call_id
+from services.recipe.emit.logprobs import Entry, openai_json
 from services.recipe.parse.stream import Event as ParseEvent
 
 ECHO_DEFAULTS: dict[str, Any] = {
@@ -85,6 +90,7 @@ class ResponsesEmitter:
         self._items: list[dict[str, Any]] = []  # finished output items
         self._item: dict[str, Any] | None = None  # the open one
         self._parts: list[str] = []
+        self._logprobs: list[dict[str, Any]] = []  # the open message's
         self._response: dict[str, Any] | None = None
 
     # --- framing ---------------------------------------------------------------------------------------------
@@ -120,7 +126,7 @@ class ResponsesEmitter:
 
     def _open(self, item: dict[str, Any], out: list[StreamEvent]) -> None:
         index = len(self._items)
-        self._item, self._parts = item, []
+        self._item, self._parts, self._logprobs = item, [], []
         self._index, self._item_id = index, item["id"]
         self._emit(out, "response.output_item.added", {"item": item, "output_index": index})
         if item["type"] == "reasoning":
@@ -146,10 +152,10 @@ class ResponsesEmitter:
                 self._emit(out, name, {"content_index": 0, **where, "text": text})
                 done = {**item, "status": status, "content": [part]}
             else:
-                part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+                part = {"type": "output_text", "annotations": [], "logprobs": self._logprobs, "text": text}
                 self._emit(out, "response.output_text.done",
-                           {"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": index,
-                            "text": text})
+                           {"content_index": 0, "item_id": item_id, "logprobs": self._logprobs,
+                            "output_index": index, "text": text})
                 done = {**item, "status": status, "phase": phase, "content": [part]}
             self._emit(out, "response.content_part.done", {"content_index": 0, **where, "part": part})
         self._emit(out, "response.output_item.done", {"item": done, "output_index": index})
@@ -163,7 +169,7 @@ class ResponsesEmitter:
         self._emit(out, "response.in_progress", {"response": response})
         return out
 
-    def event(self, ev: ParseEvent, out: list[StreamEvent]) -> None:
+    def event(self, ev: ParseEvent, out: list[StreamEvent], logprobs: list[Entry] | None = None) -> None:
         kind = ev[0]
         item = self._item
         if kind == "content":
@@ -173,7 +179,7 @@ class ResponsesEmitter:
                 n = len(self._items)
                 self._open({"type": "message", "id": f"msg_{self._id}_{n}", "status": "in_progress",
                             "role": "assistant", "phase": "final_answer", "content": []}, out)
-            self._text_delta("response.output_text.delta", ev[1], out, logprobs=True)
+            self._text_delta("response.output_text.delta", ev[1], out, logprobs=openai_json(logprobs or ()))
         elif kind == "reasoning":
             if item is None or item["type"] != "reasoning":
                 if item is not None:
@@ -181,7 +187,7 @@ class ResponsesEmitter:
                 n = len(self._items)
                 self._open({"type": "reasoning", "id": f"rs_{self._id}_{n}", "status": "in_progress",
                             "content": [], "summary": [], "encrypted_content": f"{self._id}-{n}"}, out)
-            self._text_delta("response.reasoning_text.delta", ev[1], out, logprobs=False)
+            self._text_delta("response.reasoning_text.delta", ev[1], out, logprobs=None)
         elif kind == "args":
             self._parts.append(ev[2])
             self._emit(out, "response.function_call_arguments.delta",
@@ -198,11 +204,14 @@ class ResponsesEmitter:
             call["arguments"] = ""
             self._open(call, out)
 
-    def _text_delta(self, name: str, text: str, out: list[StreamEvent], *, logprobs: bool) -> None:
+    def _text_delta(self, name: str, text: str, out: list[StreamEvent], *,
+                    logprobs: list[dict[str, Any]] | None) -> None:
+        """`logprobs`: output text's (a list, maybe empty); None for reasoning text, which has no such key."""
         self._parts.append(text)
         data: dict[str, Any] = {"content_index": 0, "delta": text, "item_id": self._item_id}
-        if logprobs:
-            data["logprobs"] = []
+        if logprobs is not None:
+            self._logprobs += logprobs
+            data["logprobs"] = logprobs
         data["output_index"] = self._index
         self._emit(out, name, data)
 

@@ -57,6 +57,11 @@ class TokenPieces:
         self._held_ids = 0
         self.counts: list[int] = []  # token ids behind each piece of the last feed / flush
 
+    def drops(self, tid: int) -> bool:
+        """Whether id `tid` stands for no piece at all (a control token of a chat-template model)."""
+        added = self._added.get(tid)
+        return added is not None and not added[1]
+
     def feed(self, token_ids: Sequence[int]) -> list[Piece]:
         """The pieces these ids complete; `counts[i]` is how many ids piece i stands for (the usage counts
         the ids of the pieces parsed, as deepseek-recipe does: held ids count once their piece is out)."""

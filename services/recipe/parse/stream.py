@@ -83,15 +83,21 @@ class OutputParser:
         self.stop_sequence: str | None = None
         self.stopped = False  # a stop sequence ended the answer: feed nothing more
         self.consumed = 0  # pieces of the last push parsed (all, unless a stop sequence ended it)
+        # Every piece pushed gets the next index; `event_pieces[i]` is the piece the last push's (or finish's)
+        # event i came from (one piece per delta: pieces never merge), for what rides on a piece (logprobs).
+        self.seen = 0
+        self.event_pieces: list[int] = []
 
     def push(self, pieces: list[Piece]) -> list[Event]:
         """One push of output: text chunks (str) or pieces from detok.TokenPieces."""
         self._out = out = []
+        self.event_pieces = []
         self.consumed = 0
         if self.stopped:
             return out
         for piece in pieces:
             self.consumed += 1
+            self.seen += 1
             if isinstance(piece, str):  # text: a text chunk, or ordinary tokens' text in token mode
                 if not piece:
                     self._empty_piece()
@@ -105,8 +111,14 @@ class OutputParser:
                 break
         return out
 
+    @property
+    def front(self) -> int:
+        """The index of the oldest piece not fully parsed (`seen` when none is held)."""
+        return self.seen - len(self._pieces)
+
     def finish(self) -> list[Event]:
         self._out = out = []
+        self.event_pieces = []
         if not self.stopped:
             self._apply(self._machine.finish())
         self._pieces.clear()
@@ -158,6 +170,12 @@ class OutputParser:
         self._parts = []
         kind = act.kind
         out = self._out
+        n = len(out)
+        self._flush_kind(kind, act, parts, out)
+        if len(out) > n:  # the delta's piece: the front one, or the empty piece flushed at once (_empty_piece)
+            self.event_pieces.append(self.seen - len(self._pieces) if self._pieces else self.seen - 1)
+
+    def _flush_kind(self, kind: str, act: Act, parts: list[str], out: list[Event]) -> None:
         if kind == "raw":
             out.append(("content", "".join(parts)))
         elif kind == "reasoning":
