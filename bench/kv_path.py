@@ -84,7 +84,7 @@ from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
 from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
-from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion  # noqa: E402
+from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion, pin_host  # noqa: E402
 from shared.worker.kv_peer_transport import ShmExporter  # noqa: E402
 from shared.worker.kvclient import KvClient  # noqa: E402
 from shared.schemas.health import HealthReply, HealthRequest  # noqa: E402
@@ -478,14 +478,6 @@ async def wait_ready(bus: Bus, timeout: float = 60.0) -> None:
     raise RuntimeError("the kvcache service did not come up")
 
 
-def pin(arena: object) -> None:
-    """Page-lock the worker's arena for the GPU (cudaHostRegister), so copies into and out of its slots are one
-    DMA each instead of a staged copy through the driver's own pinned buffer (an experiment: not in the worker)."""
-    mapped = np.frombuffer(arena._map, dtype=np.uint8)  # noqa: SLF001
-    err = torch.cuda.cudart().cudaHostRegister(mapped.ctypes.data, mapped.size, 0)
-    print(f"  cudaHostRegister of the arena ({mapped.size >> 20} MiB): {err}", file=sys.stderr, flush=True)
-
-
 async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
     server = natsserver.start(work / "nats", log_file=work / "nats.log")
     kvcache = subprocess.Popen(
@@ -508,7 +500,7 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
             kv = KvClient(bus, **sizes)
         device = torch.device(args.device)
         if kv.arena is not None and args.pin_arena and device.type == "cuda":
-            pin(kv.arena)
+            print(f"  cudaHostRegister of the arena: {pin_host(kv.arena)}", file=sys.stderr, flush=True)
         rows = []
         for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens),
                                ("llama8b", args.llama8b_tokens)):
@@ -603,7 +595,7 @@ def main() -> None:
                         help="run: put_run / views (one copy each way); blocks: read_blocks / put_many (before)")
     parser.add_argument("--arena-mib", type=int, default=0, help="shm: the worker's arena, MiB (0: the default)")
     parser.add_argument("--device", default="cpu", help="the caches' device: cpu, or cuda (adds h2d / d2h ceilings)")
-    parser.add_argument("--pin-arena", action="store_true", help="cuda: cudaHostRegister the arena (experiment)")
+    parser.add_argument("--pin-arena", action="store_true", help="cuda: page-lock the arena, as a GPU worker does")
     parser.add_argument("--ram-mib", type=int, default=1536, help="the store's RAM tier, MiB")
     parser.add_argument("--dir", type=Path, default=None, help="where the store and the disk probe write")
     parser.add_argument("--label", default="", help="a name for this run in the output (before / after)")

@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +92,7 @@ class Arena:
         self._retired: list[tuple[float, int]] = []  # (lendable again at, slot) of requests that timed out
         self.lost = 0  # requests that timed out holding a slot
         self.reclaimed = 0  # of their slots, those lent again after their deadline
+        self.before_close: list[Callable[[], None]] = []  # e.g. un-page-locking the map for the GPU
 
     @property
     def free_slots(self) -> int:
@@ -194,10 +195,18 @@ class Arena:
             at += n
         return views
 
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The whole map (header and slots): for registering it with a device's DMA (page-locking)."""
+        return self._map
+
     def close(self) -> None:
         if self._fd < 0:
             return
         self.path.unlink(missing_ok=True)
+        for undo in self.before_close:
+            undo()
+        self.before_close.clear()
         try:
             self._map.close()
         except BufferError:  # views still lent (a request being torn down): the map goes with the last of them

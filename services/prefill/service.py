@@ -19,6 +19,7 @@ from shared import hashing, subjects
 from shared.bus import Envelope
 from shared.config import ServiceConfig
 from shared.worker.kv_peer import Handovers
+from shared.kv_arena import Arena
 from shared.worker.kv_cuda_ipc import CudaExporter
 from shared.worker.kv_peer_transport import peer_transport
 from shared.worker.kvclient import MiB
@@ -198,6 +199,11 @@ class PrefillService(EngineWorker):
         # "lost" event): nobody pulls it now, and the continuation, a later migration, gets a hand-over of its own.
         if cancel.role == "decode":
             self.handovers.end(cancel.request_id, "decode_lost", upto=cancel.migration)
+
+    def arenas(self) -> list[Arena]:
+        """The store's arena, and the peer arena hand-overs are exported into (prefill's GPU -> host, once each)."""
+        exporter = self.handovers.exporter
+        return [*super().arenas(), *([exporter.arena] if exporter is not None else [])]
 
     def handover_counts(self) -> dict[str, int]:
         exporter = self.handovers.exporter

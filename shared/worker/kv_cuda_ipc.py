@@ -31,8 +31,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from shared.kv_arena import Arena
 from shared.schemas.kv_peer import CudaHandle, KvPeerCuda
 
 if TYPE_CHECKING:
@@ -98,6 +100,24 @@ def open_shared(h: CudaHandle, device: int | None = None) -> torch.Tensor:
                                                         h.event_sync_required)
         out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
     return out.set_(storage, 0, (h.nbytes,), (1,))
+
+
+def pin_host(arena: Arena) -> bool:
+    """Page-lock a shared-memory arena for the GPU (cudaHostRegister): copies between it and the device go as one
+    DMA each (about 55 GB/s on the H200 against about 18 GB/s from pageable memory). For a GPU worker's arenas
+    (the store's, the peer hand-over's), whose every byte crosses to or from the device. Undone when the arena
+    closes. False where the driver refuses: the copies stay pageable (slower, not wrong)."""
+    mapped = np.frombuffer(arena.mapping, dtype=np.uint8)
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(mapped.ctypes.data, mapped.size, 0)
+    if int(err) != 0:
+        log.info("cudaHostRegister of %s (%d MiB) refused (%s): copies stay pageable", arena.path,
+                 mapped.size >> 20, err)
+        return False
+    address = mapped.ctypes.data
+    del mapped  # no export of the map may outlive close(): the address is all the undo needs
+    arena.before_close.append(lambda: cudart.cudaHostUnregister(address))
+    return True
 
 
 # --- prefill: a hand-over's device buffer ---------------------------------------------------------------------

@@ -36,6 +36,8 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineRequest  # EngineRequest: what the role handlers submit
 from shared.kv_events import EventPublisher
 from shared.worker.config import WorkerConfig
+from shared.kv_arena import Arena
+from shared.worker.kv_cuda_ipc import pin_host
 from shared.worker.kv_transfer import KvTransfer
 from shared.worker.kvclient import MiB, KvClient, open_client
 from shared.models import resolve
@@ -163,6 +165,8 @@ class EngineWorker(ABC):
         log.info("%s", engine.memory().line())
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         await self.serve_handover()
+        if engine.device.type == "cuda":
+            self._pin_arenas()
         self._tasks.append(asyncio.create_task(self._heartbeat()))
         self._queue = await self.bus.work_queue(
             self.work_subject(),
@@ -173,6 +177,16 @@ class EngineWorker(ABC):
             ack_wait=30.0,
         )
         self._status = "ready"
+
+    def _pin_arenas(self) -> None:
+        """On a GPU, page-lock the shared-memory arenas whose bytes cross to or from the device (the store's runs
+        imported, a hand-over exported), so each crossing is one DMA at the bus's rate."""
+        for arena in self.arenas():
+            pin_host(arena)
+
+    def arenas(self) -> list[Arena]:
+        """This worker's shared-memory arenas (the store's; a role may add its own)."""
+        return [self.kv.arena] if self.kv is not None and self.kv.arena is not None else []
 
     def use_engine(self, engine: AsyncEngine) -> None:
         """The loaded engine, and the KV transfer over it and the KV client (`start` opened that)."""
