@@ -9,7 +9,7 @@ against the oracle (services/recipe/convert/fields.py has the rules).
    reference's Chat Completions refuses the role.
 4. presence/frequency penalties and logit_bias reach the engine (the reference passes them to its backend);
    a malformed logit_bias, which the reference does not read, is refused by name.
-5. What we cannot honour is refused by name instead of passed on: logprobs, a regex response_format, Responses' top_logprobs, and image or file input (the reference shows V4 the
+5. What we cannot honour is refused by name instead of passed on: logprobs, Responses' top_logprobs, and image or file input (the reference shows V4 the
    text "[Unsupported Image]"). The neutral values (false, 0) still pass, exactly as the reference converts.
 """
 
@@ -108,7 +108,6 @@ def test_developer_messages_are_system_instructions() -> None:
 @pytest.mark.parametrize("api, body, field", [
     ("chat", chat(logprobs=True), "logprobs"),
     ("chat", chat(logprobs=True, top_logprobs=3), "logprobs"),
-    ("chat", chat(response_format={"type": "regex", "regex": "[a-z]+"}), "response_format"),
     ("responses", {"model": PRO, "input": "hi", "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(api: str, body: dict, field: str) -> None:

@@ -167,10 +167,6 @@ def _text_modality(v: Any) -> bool:
     return v is None or v == ["text"]
 
 
-def _no_regex(v: Any) -> bool:
-    return not (isinstance(v, dict) and v.get("type") == "regex")
-
-
 def _no_logprobs_include(v: Any) -> bool:
     return not (isinstance(v, list) and "message.output_text.logprobs" in v)
 
@@ -191,8 +187,6 @@ _OPENAI: dict[str, tuple[Neutral, str]] = {
     "bad_words": (_empty, "token filters are not applied"),
     "prompt_logprobs": (_none, LOGPROBS),
     "truncate_prompt_tokens": (_none, "prompts are never truncated; a prompt too long is refused"),
-    "guided_json": (_none, GUIDED), "guided_regex": (_none, GUIDED), "guided_choice": (_none, GUIDED),
-    "guided_grammar": (_none, GUIDED), "structured_outputs": (_none, GUIDED),
     "logits_processors": (_none, "custom logits processors are not served"),
     "return_tokens_as_token_ids": (_false, "tokens are returned as text"),
 }
@@ -200,7 +194,6 @@ REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
     "chat": {
         "logprobs": (_false, LOGPROBS),
         **_OPENAI,
-        "response_format": (_no_regex, "a regex response_format needs constrained decoding, not served yet"),
         "audio": (_none, "audio output is not served"),
         "modalities": (_text_modality, "only text output is served"),
         "prediction": (_none, "predicted outputs are not served"),
@@ -217,7 +210,7 @@ REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
     "completions": {
         "logprobs": (_none, LOGPROBS),
         **_OPENAI,
-        "response_format": (_none, GUIDED),
+        "response_format": (_none, "use structured_outputs (vLLM's) for a constrained completion"),
         "prompt_embeds": (_none, "prompt embeddings are not served"),
     },
     "messages": {
