@@ -169,8 +169,8 @@ class Grammars:
             if c.kind == "json_schema":
                 # compact JSON (no free whitespace): a small model otherwise pads with newlines until max_tokens
                 grammar = compiler.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
-            elif c.kind == "json_object":
-                grammar = compiler.compile_builtin_json_grammar()
+            elif c.kind == "json_object":  # OpenAI's JSON mode: any JSON object, compact as above
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             elif c.kind == "regex":
                 grammar = compiler.compile_regex(c.spec)
             else:

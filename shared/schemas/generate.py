@@ -10,8 +10,8 @@ ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match (grammar-constrained decoding, shared/engine/grammar.py): a JSON schema (OpenAI's
-    strict reading), any JSON value, a regex, or an EBNF grammar (xgrammar's dialect, as vLLM's `grammar`).
+    """What the output must match (grammar-constrained decoding, shared/engine/grammar.py): a JSON schema, any JSON
+    object (OpenAI's JSON mode), a regex, or an EBNF grammar (xgrammar's dialect, as vLLM's `grammar`).
 
     With `after_token` >= 0 the output is free until that token is generated (the end-of-thinking marker of a
     reasoning model) and matches `spec` from the next token on: the reasoning itself is never constrained."""

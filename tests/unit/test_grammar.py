@@ -87,6 +87,8 @@ def test_the_mask_allows_what_the_grammar_accepts_and_stop_ids_only_when_complet
 def test_the_output_so_far_is_replayed_and_must_match(grammars: Grammars, tok: Tokenizer) -> None:
     grammars.add("j", Constraint("json_object"), EOS, tok.encode('{"a": [1, 2'))
     assert tok.encode("]")[0] in allowed(grammars, "j") and EOS[0] not in allowed(grammars, "j")
+    with pytest.raises(RequestError, match="does not match"):  # JSON mode: an object, not any value
+        grammars.add("l", Constraint("json_object"), EOS, tok.encode("[1"))
     with pytest.raises(RequestError, match="does not match"):
         grammars.add("k", Constraint("regex", "[0-9]+"), EOS, tok.encode("12a"))
     assert "k" not in grammars
