@@ -141,7 +141,7 @@ def test_min_tokens_may_not_exceed_max_tokens() -> None:
     ("completions", "response_format", {"type": "json_object"}),
     ("responses", "top_logprobs", 3), ("responses", "include", ["message.output_text.logprobs"]),
     ("responses", "background", True), ("responses", "prompt", {"id": "p"}),
-    ("messages", "mcp_servers", [{"url": "x"}]), ("messages", "output_format", {"type": "json_schema"}),
+    ("messages", "mcp_servers", [{"url": "x"}]),
 ])
 def test_fields_not_honoured_are_refused_by_name(api: str, field: str, value: Any) -> None:
     base = {"chat": {"messages": [USER]}, "completions": {"prompt": "a"}, "responses": {"input": "hi"},

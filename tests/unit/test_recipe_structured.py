@@ -105,3 +105,12 @@ def test_a_constraint_cannot_continue_a_prefix_with_content() -> None:
     with pytest.raises(FieldRefusal, match="prefix"):
         check(prepared)
     check(convert("chat", {"model": SMOL, "messages": [USER, prefix]}, OPTIONS))  # unconstrained: fine
+
+
+def test_anthropic_output_format_is_a_json_schema_constraint() -> None:
+    body = {"model": SMOL, "max_tokens": 20, "messages": [USER]}
+    prepared = convert("messages", {**body, "output_format": {"type": "json_schema", "schema": SCHEMA}}, OPTIONS)
+    assert wire(prepared, None) == Constraint("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
+    for bad in ({"type": "json_schema"}, {"type": "text"}, "json"):
+        assert refused("messages", {**body, "output_format": bad}).field == "output_format"
+    assert wire(convert("messages", body, OPTIONS), None) is None

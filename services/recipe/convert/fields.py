@@ -172,7 +172,6 @@ def _no_logprobs_include(v: Any) -> bool:
 
 
 LOGPROBS = "log probabilities are not reported yet"
-GUIDED = "constrained decoding is not served yet"
 
 # Field -> (its neutral values, why it is refused otherwise). Sampling and output fields of OpenAI's APIs and of
 # vLLM's extensions that would change the answer if they were honoured.
@@ -216,7 +215,6 @@ REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
     "messages": {
         "mcp_servers": (_empty, "server tools are not served"),
         "container": (_none, "server tools are not served"),
-        "output_format": (_none, GUIDED),
     },
     "responses": {
         "top_logprobs": (_zero, LOGPROBS),

@@ -4,6 +4,7 @@ engine (shared/schemas/generate.py Constraint; shared/engine/grammar.py enforces
     response_format json_schema / json_object / regex (Chat), text.format (Responses)   the API converters
     structured_outputs {json | regex | choice | grammar | json_object}                   vLLM's extension (Chat,
     guided_json, guided_regex, guided_choice, guided_grammar                             Completions), read here
+    output_format {"type": "json_schema", "schema": ...}                                 Anthropic Messages, here
 
 One constraint per request: two sources (response_format and structured_outputs, or two keys of it) are a 400, as
 vLLM refuses them; so is one next to tools (the tool-call markup is not constrained yet). `choice` becomes an EBNF
@@ -28,13 +29,15 @@ FIELD = "structured_outputs"
 LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 APIS: tuple[Api, ...] = ("chat", "completions")  # where the vLLM fields are read (elsewhere refused by fields.py)
+ANTHROPIC = "output_format"
 
 
 def apply(api: Api, body: Any, prepared: PreparedRequest) -> PreparedRequest:
-    """`prepared` with the constraint of vLLM's fields, if the body has any (FieldRefusal for a bad one)."""
-    if api not in APIS or not isinstance(body, dict):
+    """`prepared` with the constraint of vLLM's fields (or Anthropic's output_format), if the body has any
+    (FieldRefusal for a bad one)."""
+    if not isinstance(body, dict) or (api not in APIS and api != "messages"):
         return prepared
-    asked = _asked(body)
+    asked = _asked(body) if api in APIS else _anthropic(body)
     if not asked:
         return prepared
     (name, kind, value), *more = asked
@@ -63,6 +66,15 @@ def _asked(body: dict[str, Any]) -> list[tuple[str, str, Any]]:
             raise FieldRefusal(f"{FIELD}.{key} is not supported (one of {', '.join(KINDS)})", FIELD)
         asked.append((f"{FIELD}.{key}", key, value))
     return asked
+
+
+def _anthropic(body: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    fmt = body.get(ANTHROPIC)
+    if fmt is None:
+        return []
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+        raise FieldRefusal(f'{ANTHROPIC} must be {{"type": "json_schema", "schema": {{...}}}}', ANTHROPIC)
+    return [(ANTHROPIC, "json", fmt["schema"])]
 
 
 def _read(name: str, kind: str, value: Any) -> OutputConstraint:
