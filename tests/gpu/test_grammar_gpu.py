@@ -1,7 +1,7 @@
 """Constrained decoding on a GPU (marked gpu: skipped without CUDA), real SmolLM2 weights: the masks are
-applied on the device under CUDA graphs and overlapped scheduling; constrained outputs validate, and unconstrained
-neighbours in the same batch get exactly the tokens they get alone (the steps around a constrained one lose their
-overlap, never their tokens)."""
+applied on the device under CUDA graphs and overlapped scheduling (or verify rows with n-gram drafts); a batch of
+constrained and free requests gets exactly the synchronous run's tokens (the steps around a constrained one lose
+their overlap, never their tokens), and the constrained outputs validate."""
 
 from __future__ import annotations
 
