@@ -182,3 +182,24 @@ def test_speculative_drafts_never_change_a_constrained_output(engine: Engine, lo
     spec = Engine(loaded, kv_blocks=64, speculative_tokens=3, speculative_method="ngram")
     assert run_to_completion(spec, reqs) == plain
     assert spec.spec_drafted > 0  # drafts were verified under the mask, not skipped
+
+
+# --- DeepSeek-V4 (tiny random weights, the real 129,280-token vocabulary) ---------------------------------------
+
+
+def test_a_v4_answer_is_constrained_after_its_reasoning(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The served V4 tokenizer's vocabulary compiles; a continuation whose output so far is reasoning and </think>
+    is constrained from the next token on (random weights: only the mask makes the answer three digits)."""
+    from shared.deepseek_tokenizer import load_deepseek_tokenizer
+    from tests import v4_checkpoints
+
+    v4 = load_deepseek_tokenizer()
+    end_think = v4.token_id("</think>")
+    assert end_think is not None
+    engine = Engine(str(v4_checkpoints.build_served(tmp_path_factory.mktemp("grammar-v4"))), kv_blocks=16)
+    prompt = v4.encode("<｜User｜>Pick a number.<｜Assistant｜><think>")
+    reasoning = [*v4.encode("Three digits, say"), end_think]
+    sp = SamplingParams(temperature=1.0, seed=4, constraint=Constraint("regex", "[0-9]{3}", after_token=end_think))
+    out = run_to_completion(engine, [EngineRequest("v4", prompt + reasoning, sp, 8, output_offset=len(reasoning))])
+    tokens = out["v4"]
+    assert tokens[-1] in engine.config.eos_ids and re.fullmatch("[0-9]{3}", v4.decode(tokens[:-1])), tokens
