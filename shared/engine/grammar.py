@@ -20,16 +20,21 @@ constrained answer always ends with "stop" (or "length" when max_tokens comes fi
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from shared.engine.api import RequestError
 from shared.schemas.generate import Constraint
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 COMPILED_CACHE = 256  # compiled grammars kept (by kind and spec): a schema most requests share compiles once
 
@@ -68,6 +73,12 @@ class _State:
             self.matcher.rollback(matched)
 
 
+@cache
+def _xgr():  # noqa: ANN202 - the module
+    """xgrammar, imported at the first constrained request: it takes ~1.5 s and pulls in transformers."""
+    return importlib.import_module("xgrammar")
+
+
 class Grammars:
     """The constrained requests of one engine: compile, follow, mask. Single-threaded, as the engine is."""
 
@@ -80,11 +91,12 @@ class Grammars:
         self.device = device
         self._vocabulary = vocabulary
         self._threads = threads
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._max_rows = max_rows
+        self._compiler: xgr.GrammarCompiler | None = None  # these three are made at the first constrained request
+        self._batch: xgr.BatchGrammarMatcher | None = None
+        self._mask = torch.empty(0, 0, dtype=torch.int32)  # (rows, ceil(V / 32)) host bitmask
         self._compiled: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self.states: dict[str, _State] = {}
-        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self._mask = self._host_mask(max_rows)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -95,7 +107,7 @@ class Grammars:
         stops = sorted(stop_ids)
         if not stops:
             raise RequestError("a constrained output needs a stop token to end (every stop id was switched off)")
-        matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops)
+        matcher = _xgr().GrammarMatcher(grammar, override_stop_tokens=stops)
         state = _State(matcher, constraint.after_token, constraint.after_token < 0)
         for at, token in enumerate(output):
             if not state.advance(token):
@@ -128,10 +140,11 @@ class Grammars:
         if not plain and not drafted:
             return logits
         if len(rows) > self._mask.shape[0]:
-            self._mask = self._host_mask(len(rows))
+            self._mask = self._host_mask(max(len(rows), self._max_rows))
         mask = self._mask[: len(rows)]
         masked = [i for i, _ in plain]
         if plain:
+            assert self._batch is not None  # made with the compiler, before any state
             self._batch.batch_fill_next_token_bitmask([s.matcher for _, s in plain], mask, masked)
         for i, state, drafts in drafted:
             if self._fill_after(state, drafts, mask, i):
@@ -139,7 +152,7 @@ class Grammars:
         if masked:
             # the host buffer is reused next step: a constrained step is synchronous (engine.step), so this copy
             # has run by then
-            xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=masked)
+            _xgr().apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=masked)
         return logits
 
     def _fill_after(self, state: _State, drafts: tuple[int, ...], mask: torch.Tensor, row: int) -> bool:
@@ -183,14 +196,16 @@ class Grammars:
         return grammar
 
     def _make_compiler(self) -> xgr.GrammarCompiler:
+        xgr = _xgr()
         vocab = list(self._vocabulary())[: self.vocab_size]
         vocab += [b""] * (self.vocab_size - len(vocab))  # ids the model has past its tokenizer: never allowed
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=self._threads)
         return self._compiler
 
     def _host_mask(self, rows: int) -> torch.Tensor:
-        mask = xgr.allocate_token_bitmask(rows, self.vocab_size)  # (rows, ceil(V / 32)) int32, all allowed
+        mask = _xgr().allocate_token_bitmask(rows, self.vocab_size)  # (rows, ceil(V / 32)) int32, all allowed
         return mask.pin_memory() if self.device.type == "cuda" else mask
 
 
