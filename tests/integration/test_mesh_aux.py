@@ -149,6 +149,20 @@ def test_a_json_schema_answer_validates_streaming_and_not(mesh: Mesh, temperatur
     assert _streamed(client, **body) == (whole.message.content, "stop")  # same tokens, any chunking
 
 
+def test_responses_and_messages_take_a_schema_too(mesh: Mesh, http: httpx.Client) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": False}
+    answer = sdk(mesh).responses.create(model=MODEL, input=ASK_PERSON[0]["content"], text={"format": fmt},
+                                        max_output_tokens=60, temperature=0)
+    jsonschema.validate(json.loads(answer.output_text), PERSON)
+    body = {"model": MODEL, "max_tokens": 60, "temperature": 0, "messages": ASK_PERSON,
+            "output_format": {"type": "json_schema", "schema": PERSON}}
+    reply = http.post("/v1/messages", json=body)
+    assert reply.status_code == 200, reply.text
+    (block,) = reply.json()["content"]
+    jsonschema.validate(json.loads(block["text"]), PERSON)
+    assert reply.json()["stop_reason"] == "end_turn"
+
+
 def test_regex_choice_and_json_object_hold_and_a_bad_regex_is_a_400(mesh: Mesh) -> None:
     client = sdk(mesh)
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "Give me a code, in json if asked."}],
