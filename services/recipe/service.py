@@ -285,10 +285,10 @@ class RecipeService:
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason="cancelled"))
         log.info(
             "%s %s model=%s prompt=%d max_tokens=%d seed=%d temperature=%g top_p=%g top_k=%d min_p=%g "
-            "repetition_penalty=%g min_tokens=%d ignore_eos=%s stream=%s",
+            "repetition_penalty=%g min_tokens=%d ignore_eos=%s constraint=%s stream=%s",
             rid, prepared.api, model.name, len(prompt_ids), max_tokens, seed, sampling.temperature,
             sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens,
-            sampling.ignore_eos, prepared.stream,
+            sampling.ignore_eos, sampling.constraint.kind if sampling.constraint else "none", prepared.stream,
         )
         return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids))
 
