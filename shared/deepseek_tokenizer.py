@@ -53,3 +53,12 @@ def load_v4_tokenizer(files: ModelFiles) -> Tokenizer:
     declared = ids_of(read_json(files.path / "config.json").get("eos_token_id"))
     declared |= ids_of(read_json(files.path / "generation_config.json").get("eos_token_id"))
     return replace(packaged, eos_ids=packaged.eos_ids | declared)
+
+
+def served_tokenizer(files: ModelFiles) -> Tokenizer:
+    """The tokenizer the recipe serves `files` with (a V4 checkpoint often ships none of its own). Blocking."""
+    from shared.model_info import load_model_info
+
+    if files.format == "hf" and load_model_info(files).is_deepseek_v4:
+        return load_v4_tokenizer(files)
+    return load_tokenizer(files)

@@ -30,8 +30,8 @@ class ToolSpec:
 
 @dataclass(frozen=True)
 class OutputConstraint:
-    kind: Literal["json", "regex", "tool_call", "tool_call_required"]
-    schema: str  # compact JSON schema, regex, tool list JSON, or "" for any JSON value
+    kind: Literal["json", "regex", "grammar", "tool_call", "tool_call_required"]
+    schema: str  # compact JSON schema, regex, EBNF grammar (vLLM's), tool list JSON, or "" for any JSON value
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,14 @@ import orjson
 
 from services.recipe.admission import AdmissionLimits, Ledger, Refusal
 from services.recipe.config import RecipeConfig
-from services.recipe.convert import APIS, ConvertOptions, convert
+from services.recipe.convert import APIS, ConvertOptions, convert, structured
 from services.recipe.convert.fields import check_logit_bias, check_min_tokens
 from services.recipe.convert.limits import check_prompt, check_token_ids, resolve_max_tokens
 from services.recipe.emit.processor import OutputProcessor
 from services.recipe.errors import ApiError, ConversionError, api_error, error_for, openai_error
 from services.recipe.flight import Flight, Output
 from services.recipe.formats import render
+from services.recipe.formats.dsml import END_THINK
 from services.recipe.model import ServedModel
 from services.recipe.prepared import RESPONSE_ID_PREFIXES, InferenceSpec, PreparedRequest
 from services.recipe.queries import Queries
@@ -49,7 +50,7 @@ from shared.presence import announce_forever
 from shared.schemas.gateway import (
     ApiEvent, CountTokensReply, CountTokensRequest, PrepareReply, PrepareRequest, Resume,
 )
-from shared.schemas.generate import EVERY_WORKER, Cancel, GenerateRequest, SamplingParams, TokenEvent
+from shared.schemas.generate import EVERY_WORKER, Cancel, Constraint, GenerateRequest, SamplingParams, TokenEvent
 from shared.schemas.responses import StoredResponse
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,8 @@ class RecipeService:
         max_tokens = resolve_max_tokens(prepared, len(prompt_ids), model.context_length)
         check_min_tokens(prepared, max_tokens)
         check_logit_bias(prepared, model.vocab_size)
+        structured.check(prepared)
+        structured.wire(prepared, _end_think(model))  # (a FieldRefusal now rather than at launch)
         return prepared, model, prompt_ids, max_tokens
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensReply:
@@ -274,7 +277,8 @@ class RecipeService:
         else:
             seed = inference.seed if inference.seed is not None else secrets.randbits(SEED_BITS)
             created = int(time.time())
-        sampling = sampling_params(inference, max_tokens, seed, model.tokenizer.eos_ids)
+        sampling = sampling_params(inference, max_tokens, seed, model.tokenizer.eos_ids,
+                                   structured.wire(prepared, _end_think(model)))
         processor = OutputProcessor(
             prepared, response_id=_response_id(req, prepared), created=created, tokens=model.tokens,
             count_tokens=model.count_tokens,
@@ -301,10 +305,10 @@ class RecipeService:
             await self._bus.publish(subjects.CANCEL, Cancel(rid, reason="cancelled"))
         log.info(
             "%s %s model=%s prompt=%d max_tokens=%d seed=%d temperature=%g top_p=%g top_k=%d min_p=%g "
-            "repetition_penalty=%g min_tokens=%d ignore_eos=%s stream=%s",
+            "repetition_penalty=%g min_tokens=%d ignore_eos=%s constraint=%s stream=%s",
             rid, prepared.api, model.name, len(prompt_ids), max_tokens, seed, sampling.temperature,
             sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens,
-            sampling.ignore_eos, prepared.stream,
+            sampling.ignore_eos, sampling.constraint.kind if sampling.constraint else "none", prepared.stream,
         )
         return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids), recipe=self.boot,
                             seed=seed, created=created)
@@ -466,7 +470,13 @@ def _response_id(req: PrepareRequest, prepared: PreparedRequest) -> str:
     return f"{RESPONSE_ID_PREFIXES[prepared.api]}{own}"
 
 
-def sampling_params(inference: InferenceSpec, max_tokens: int, seed: int, eos_ids: Iterable[int]) -> SamplingParams:
+def _end_think(model: ServedModel) -> int | None:
+    """The end-of-thinking token that opens a constrained answer in thinking mode (DeepSeek formats)."""
+    return model.tokenizer.token_id(END_THINK) if model.encoding != "chat_template" else None
+
+
+def sampling_params(inference: InferenceSpec, max_tokens: int, seed: int, eos_ids: Iterable[int],
+                    constraint: Constraint | None = None) -> SamplingParams:
     """What the engine samples with. The model's end-of-sentence ids stop it, unless the client set ignore_eos
     (then they are ordinary tokens and only max_tokens ends the answer)."""
     return SamplingParams(
@@ -484,6 +494,7 @@ def sampling_params(inference: InferenceSpec, max_tokens: int, seed: int, eos_id
         seed=seed,
         stop_token_ids=[] if inference.ignore_eos else sorted(eos_ids),
         ignore_eos=inference.ignore_eos,
+        constraint=constraint,
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutp
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import ModelConfig
 from shared.engine.drafters import Drafter, make_drafter, needs_hidden
+from shared.engine.grammar import Grammars, vocabulary
 from shared.engine.kv_cache import HostBuffer, KVCache
 from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
@@ -113,6 +115,7 @@ class Engine:
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
         quantization: str = "auto",
+        vocabulary: Callable[[], Seq[bytes]] | None = None,
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -123,7 +126,9 @@ class Engine:
         this engine may fill, weights, activations (measured) and KV pool together, as vLLM's flag (memory.py;
         None: the KV pool takes GPU_KV_FRACTION of what is free after the weights); quantization: "auto" keeps
         a checkpoint's FP8 / FP4 weights as shipped on a GPU (DeepSeek-V4's release, read by the Triton kernels),
-        "bf16" dequantizes them (always so on a CPU: QUANTIZATIONS)."""
+        "bf16" dequantizes them (always so on a CPU: QUANTIZATIONS); vocabulary: each token id's bytes for
+        constrained decoding (grammar.py), loaded at the first constrained request (default: the tokenizer the
+        model is served with)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
@@ -152,6 +157,9 @@ class Engine:
                 raise ValueError(f"{loaded.name}: {exc}") from None
         self.policy = make_policy(speculative_policy, speculative_tokens)
         self.processors = LogitsProcessors(self.config.vocab_size, self.device)  # repetition penalty, min_tokens
+        files = model if isinstance(model, ModelFiles) else None
+        self.grammars = Grammars(self.config.vocab_size, vocabulary or _served_vocabulary(model, files, loaded),
+                                 self.device, max_rows=max_running)
         # the CPU steps synchronously (tests may switch this on); speculative steps need their tokens at once
         self.overlap = self.device.type == "cuda" and not speculative_tokens
         self._readback = [self._pinned(max_running), self._pinned(max_running)]  # alternate: N's, N+1's
@@ -193,6 +201,9 @@ class Engine:
 
     def add(self, req: EngineRequest) -> None:
         seq = self._validate(req)
+        if req.sampling.constraint is not None:  # its output so far (prefill's token, a continuation's) replayed
+            output = seq.token_ids[seq.num_tokens - min(seq.output_offset, seq.num_tokens):]
+            self.grammars.add(seq.request_id, req.sampling.constraint, seq.stop_ids, output)
         if req.prefix_state:
             self.kv.import_state(req.request_id, req.prefix_state)  # installed at admission if it still fits
         self.scheduler.add(seq)
@@ -203,10 +214,15 @@ class Engine:
             done = self._inflight or self._launch()
             if done is None:
                 return []
-            self._inflight = self._launch() if self.overlap else None
+            # a step with a constrained row is not overlapped: the next step's masks need its tokens in the matchers
+            self._inflight = self._launch() if self.overlap and not self._constrained(done) else None
             outputs = self._resolve(done)
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)
+
+    def _constrained(self, step: _Launched) -> bool:
+        return bool(self.grammars.states) and any(c.sample and c.seq.request_id in self.grammars
+                                                  for c in step.plan.chunks)
 
     def _launch(self) -> _Launched | None:
         """Schedule, run and sample one step without waiting for it (on a GPU)."""
@@ -224,6 +240,10 @@ class Engine:
         positions = [c.seq.output_position + r for c, r in rows]
         raw = logits  # what logprobs are reported from (the processors below return a new tensor)
         logits = self.processors.apply(logits, rows, positions)  # before commit: it reads the known tokens
+        if self.grammars.states and any(c.seq.request_id in self.grammars for c, _ in rows):
+            # the host fills the masks while the device runs the forward; masked in place, so never `raw` itself
+            logits = self.grammars.apply(logits.clone() if logits is raw else logits,
+                                         [(c.seq.request_id, c.drafts[:r]) for c, r in rows])
         self.scheduler.commit(plan)  # after reading output positions: it advances them
         if self.speculative:  # the drafts are verified at once: the next step's chunks depend on them
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
@@ -274,7 +294,10 @@ class Engine:
             self.drafter.propose(self.kv, done.plan, hidden, self.scheduler,
                                  lambda seq, match: self.policy.length(seq.request_id, match, batch))
         for out in outputs:
+            if out.token_ids and self.grammars.states:
+                self.grammars.accept(out.request_id, out.token_ids)
             if out.finish_reason is not None:
+                self.grammars.drop(out.request_id)
                 self.processors.drop(out.request_id)
                 self.policy.drop(out.request_id)
                 if out.request_id not in self.scheduler.held:
@@ -305,11 +328,13 @@ class Engine:
             self.kv.drop_state(request_id)
             self.processors.drop(request_id)
             self.policy.drop(request_id)
+            self.grammars.drop(request_id)
 
     def release(self, request_id: str) -> None:
         if self.scheduler.release(request_id) is not None:
             self.kv.drop_state(request_id)
             self.processors.drop(request_id)
+            self.grammars.drop(request_id)
 
     # --- KV export --------------------------------------------------------------------------------------------
 
@@ -408,6 +433,8 @@ class Engine:
         stop = req.stop_token_ids
         if stop is None:
             stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else self.config.eos_ids)]
+        if sp.constraint is not None:  # a complete grammar allows only its stop ids: EOS ends it even with ignore_eos
+            stop = [*stop, *self.config.eos_ids]
         return Sequence(
             request_id=req.request_id,
             token_ids=list(req.token_ids),
@@ -490,6 +517,23 @@ def sampling_spec(sp: SamplingParams) -> SamplingSpec:
     bias = tuple(sorted((int(t), float(b)) for t, b in sp.logit_bias.items() if b != 0))
     return SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed, sp.min_p, sp.repetition_penalty, sp.min_tokens,
                         sp.presence_penalty, sp.frequency_penalty, bias, -1 if sp.logprobs is None else sp.logprobs)
+
+
+def _served_vocabulary(model: str | ModelFiles | LoadedModel, files: ModelFiles | None,
+                       loaded: LoadedModel) -> Callable[[], list[bytes]]:
+    """The vocabulary of the tokenizer a model is served with, loaded when first asked for (a LoadedModel is
+    found again by its name)."""
+
+    def load() -> list[bytes]:
+        from shared.deepseek_tokenizer import served_tokenizer  # (tokenizers, not torch: only when needed)
+
+        try:
+            tk = served_tokenizer(files or resolve(model if isinstance(model, str) else loaded.name))
+        except Exception as exc:  # no tokenizer to be found: no constrained decoding on this engine
+            raise RequestError(f"constrained decoding needs the model's tokenizer: {exc}") from None
+        return vocabulary(tk.token_bytes, tk.is_special, tk.vocab_size)
+
+    return load
 
 
 def run_to_completion(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[int]]:

@@ -3,6 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match (grammar-constrained decoding, shared/engine/grammar.py): a JSON schema, any JSON
+    object (OpenAI's JSON mode), a regex, or an EBNF grammar (xgrammar's dialect, as vLLM's `grammar`).
+
+    With `after_token` >= 0 the output is free until that token is generated (the end-of-thinking marker of a
+    reasoning model) and matches `spec` from the next token on: the reasoning itself is never constrained."""
+
+    kind: ConstraintKind
+    spec: str = ""  # the compact JSON schema, the regex or the grammar; "" for json_object
+    after_token: int = -1  # -1 = constrained from the first output token
 
 
 @dataclass(frozen=True)
@@ -24,6 +40,9 @@ class SamplingParams:
     seed: int | None = None  # None = nondeterministic
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # the model's EOS ids do not end the sequence (stop_token_ids still do)
+    # the output must match it; it travels with the request (prefill job, decode job, a continuation), and every
+    # engine rebuilds its state from the output so far
+    constraint: Constraint | None = None
 
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs

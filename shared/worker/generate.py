@@ -78,14 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_tokenizer(files: ModelFiles) -> Tokenizer:
     """The tokenizer the recipe serves `files` with (a V4 checkpoint often ships none of its own)."""
-    from shared.deepseek_tokenizer import load_v4_tokenizer
-    from shared.model_info import load_model_info
-    from shared.tokenizer import load_tokenizer
+    from shared.deepseek_tokenizer import served_tokenizer
 
-    info = load_model_info(files)
-    if files.format == "hf" and info.is_deepseek_v4:
-        return load_v4_tokenizer(files)
-    return load_tokenizer(files)
+    return served_tokenizer(files)
 
 
 if __name__ == "__main__":

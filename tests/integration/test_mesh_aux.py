@@ -1,12 +1,15 @@
 """vLLM's auxiliary surface and stored responses, through the whole running mesh (real nats-server, every
 service its own process, SmolLM2): /tokenize, /detokenize, /version, /ping, max_model_len in /v1/models, the
-client's X-Request-Id, and the Responses API's store / previous_response_id / retrieve / delete, across tenants
-and a recipe restart.
+client's X-Request-Id, structured output (schemas, regex, choice; prefill's first token and decode's rest under
+one constraint), and the Responses API's store / previous_response_id / retrieve / delete, across tenants and a
+recipe restart.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -111,6 +115,71 @@ def test_client_request_id_names_the_request_and_cannot_collide(http: httpx.Clie
     assert len(ours.headers["X-Request-Id"]) == 32  # none given: the mesh's own id
     bad = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "x" * 129})
     assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
+
+
+# --- structured output ----------------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    "colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "colour"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def _streamed(client: openai.OpenAI, **body: Any) -> tuple[str, str | None]:
+    text, reason = "", None
+    for chunk in client.chat.completions.create(stream=True, **body):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+# strict: the schema as the reference normalizes it (which drops maxLength: greedy SmolLM2 names are short)
+@pytest.mark.parametrize("temperature, strict", [(0.0, True), (1.0, False)], ids=["greedy-strict", "seeded"])
+def test_a_json_schema_answer_validates_streaming_and_not(mesh: Mesh, temperature: float, strict: bool) -> None:
+    client = sdk(mesh)
+    body = {"model": MODEL, "messages": ASK_PERSON, "max_tokens": 60, "temperature": temperature, "seed": 3,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "person", "schema": PERSON, "strict": strict}}}
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "stop", whole.message.content  # the grammar ended it, not max_tokens
+    jsonschema.validate(json.loads(whole.message.content), PERSON)
+    assert _streamed(client, **body) == (whole.message.content, "stop")  # same tokens, any chunking
+
+
+def test_responses_and_messages_take_a_schema_too(mesh: Mesh, http: httpx.Client) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": False}
+    answer = sdk(mesh).responses.create(model=MODEL, input=ASK_PERSON[0]["content"], text={"format": fmt},
+                                        max_output_tokens=60, temperature=0)
+    jsonschema.validate(json.loads(answer.output_text), PERSON)
+    body = {"model": MODEL, "max_tokens": 60, "temperature": 0, "messages": ASK_PERSON,
+            "output_format": {"type": "json_schema", "schema": PERSON}}
+    reply = http.post("/v1/messages", json=body)
+    assert reply.status_code == 200, reply.text
+    (block,) = reply.json()["content"]
+    jsonschema.validate(json.loads(block["text"]), PERSON)
+    assert reply.json()["stop_reason"] == "end_turn"
+
+
+def test_regex_choice_and_json_object_hold_and_a_bad_regex_is_a_400(mesh: Mesh) -> None:
+    client = sdk(mesh)
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Give me a code, in json if asked."}],
+           "max_tokens": 40, "temperature": 1.0, "seed": 9}
+    code = client.chat.completions.create(**ask, extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].message.content)
+    choice = client.chat.completions.create(**ask, extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
+    assert choice.choices[0].message.content in ("alpha", "beta", "gamma")
+    paris = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    anything = client.chat.completions.create(**{**ask, "messages": paris, "temperature": 0},
+                                              response_format={"type": "json_object"}).choices[0]
+    assert anything.finish_reason == "stop" and "Paris" in json.loads(anything.message.content).values()
+    done = client.completions.create(model=MODEL, prompt="The year was", max_tokens=8, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": " [0-9]{4}\\."}})
+    assert re.fullmatch(" [0-9]{4}\\.", done.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="invalid regex constraint"):
+        client.chat.completions.create(**ask, extra_body={"structured_outputs": {"regex": "(unclosed"}})
 
 
 # --- the Responses API's stored responses ----------------------------------------------------------------------

@@ -9,9 +9,8 @@ against the oracle (services/recipe/convert/fields.py has the rules).
    reference's Chat Completions refuses the role.
 4. presence/frequency penalties and logit_bias reach the engine (the reference passes them to its backend);
    a malformed logit_bias, which the reference does not read, is refused by name.
-5. What we cannot honour is refused by name instead of passed on: a regex response_format and image or file
-   input (the reference shows V4 the text "[Unsupported Image]"). The neutral values still pass, exactly as
-   the reference converts.
+5. What we cannot honour is refused by name instead of passed on: the prompt's logprobs, beam search, image or
+   file input (the reference shows V4 the text "[Unsupported Image]"). The neutral values still pass, exactly as the reference converts.
 6. logprobs / top_logprobs convert exactly as the reference converts them (and are served); Responses'
    `include: ["message.output_text.logprobs"]` also asks for them (OpenAI's way), which the reference ignores.
 """
@@ -109,7 +108,8 @@ def test_developer_messages_are_system_instructions() -> None:
 
 
 @pytest.mark.parametrize("api, body, field", [
-    ("chat", chat(response_format={"type": "regex", "regex": "[a-z]+"}), "response_format"),
+    ("chat", chat(prompt_logprobs=1), "prompt_logprobs"),
+    ("chat", chat(use_beam_search=True), "use_beam_search"),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(api: str, body: dict, field: str) -> None:
     oracle(api, body)  # the reference accepts the request (and leaves the field to a backend)

@@ -145,12 +145,17 @@ def test_chat_templates_render_the_flattened_conversation() -> None:
     (conv(cv.user("q"), thinking=False, tools=(ToolSpec("f", None, {}),)), "tools are"),
     (conv(cv.user("q"), cv.assistant("a", "r"), thinking=False), "reasoning_content is"),
     (conv(cv.user("q"), cv.latest_reminder("r"), thinking=False), "latest_reminder messages are"),
-    (conv(cv.user("q"), thinking=False, response_format=cv.ResponseFormat("json_object")),
-     "response_format json_object is"),
 ])
 def test_chat_templates_refuse_what_they_cannot_express(c: cv.Conversation, what: str) -> None:
     with pytest.raises(ConversionError, match=f"^{what} not supported by model tiny$"):
         chat_template.render(c, FakeModel())
+
+
+def test_a_response_format_is_left_to_the_grammar_not_the_prompt() -> None:
+    plain = conv(cv.user("q"), thinking=False)
+    for fmt in (cv.ResponseFormat("json_object"), cv.ResponseFormat("regex", regex="a+")):
+        c = conv(cv.user("q"), thinking=False, response_format=fmt)
+        assert chat_template.render(c, FakeModel()) == chat_template.render(plain, FakeModel())
 
 
 def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], body: Any, *args: str) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from services.recipe.convert import fields
+from services.recipe.convert import fields, structured
 from services.recipe.convert.options import DEEPSEEK_MODELS, DEFAULT_OPTIONS, ConvertOptions, Encoding
 from services.recipe.errors import BodyError, ConversionError
 from services.recipe.prepared import PreparedRequest
@@ -80,7 +80,8 @@ def convert(api: str, body: bytes | str | Any, options: ConvertOptions = DEFAULT
         if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
             raise ConversionError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
         prepared = replace(prepared, cache_salt=salt)
-    return fields.apply(prepared.api, body, prepared, options)  # after every check the reference makes
+    prepared = fields.apply(prepared.api, body, prepared, options)  # after every check the reference makes
+    return structured.apply(prepared.api, body, prepared)
 
 
 __all__ = ["APIS", "CONVERTERS", "DEEPSEEK_MODELS", "ConvertOptions", "Encoding", "convert"]

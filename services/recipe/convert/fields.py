@@ -172,16 +172,11 @@ def _text_modality(v: Any) -> bool:
     return v is None or v == ["text"]
 
 
-def _no_regex(v: Any) -> bool:
-    return not (isinstance(v, dict) and v.get("type") == "regex")
-
-
 def _asks_logprobs(include: Any) -> bool:
     return isinstance(include, list) and "message.output_text.logprobs" in include
 
 
 LOGPROBS = "the prompt's log probabilities are not reported (the output's are: logprobs)"
-GUIDED = "constrained decoding is not served yet"
 
 # Field -> (its neutral values, why it is refused otherwise). Sampling and output fields of OpenAI's APIs and of
 # vLLM's extensions that would change the answer if they were honoured.
@@ -196,15 +191,12 @@ _OPENAI: dict[str, tuple[Neutral, str]] = {
     "bad_words": (_empty, "token filters are not applied"),
     "prompt_logprobs": (_none, LOGPROBS),
     "truncate_prompt_tokens": (_none, "prompts are never truncated; a prompt too long is refused"),
-    "guided_json": (_none, GUIDED), "guided_regex": (_none, GUIDED), "guided_choice": (_none, GUIDED),
-    "guided_grammar": (_none, GUIDED), "structured_outputs": (_none, GUIDED),
     "logits_processors": (_none, "custom logits processors are not served"),
     "return_tokens_as_token_ids": (_false, "tokens are returned as text"),
 }
 REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
     "chat": {
         **_OPENAI,
-        "response_format": (_no_regex, "a regex response_format needs constrained decoding, not served yet"),
         "audio": (_none, "audio output is not served"),
         "modalities": (_text_modality, "only text output is served"),
         "prediction": (_none, "predicted outputs are not served"),
@@ -220,13 +212,12 @@ REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
     },
     "completions": {
         **_OPENAI,
-        "response_format": (_none, GUIDED),
+        "response_format": (_none, "use structured_outputs (vLLM's) for a constrained completion"),
         "prompt_embeds": (_none, "prompt embeddings are not served"),
     },
     "messages": {
         "mcp_servers": (_empty, "server tools are not served"),
         "container": (_none, "server tools are not served"),
-        "output_format": (_none, GUIDED),
     },
     "responses": {
         "background": (_false, "background responses are not served"),

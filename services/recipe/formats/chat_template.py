@@ -2,7 +2,8 @@
 jinja template (`services.recipe.chat_template.ChatTemplate`).
 
 Such templates know system/user/assistant text only, so what they cannot express is refused with a clear 400
-rather than dropped: tools and tool calls, reasoning, latest reminders, thinking mode and JSON output formats.
+rather than dropped: tools and tool calls, reasoning, latest reminders and thinking mode. A response_format is not
+written into the prompt (the template has no place for it): constrained decoding enforces it, as vLLM does.
 A Chat Completions prefix (`"prefix": true` on the final assistant message) is continued, as HF's
 `continue_final_message` does.
 
@@ -60,8 +61,6 @@ def flatten(conv: Conversation, model_name: str) -> list[dict[str, Any]]:
         raise refuse("thinking mode is")
     if conv.offers_tools:
         raise refuse("tools are")
-    if conv.response_format.kind != "text":
-        raise refuse(f"response_format {conv.response_format.kind} is")
     out: list[dict[str, Any]] = []
     for msg in conv.messages:
         if msg.role in ("tool", "latest_reminder"):
