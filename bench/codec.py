@@ -104,6 +104,10 @@ def _check(tp: Any, value: Any, where: str) -> Any:
         raise SchemaError(f"{where}: expected nil")
     if dataclasses.is_dataclass(tp):
         return _from_wire(tp, value, where)
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise SchemaError(f"{where}: {value!r:.80} is none of {typing.get_args(tp)}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")

@@ -49,6 +49,8 @@ def sample(tp: Any, i: int) -> Any:
         return None if i % 3 == 2 else sample(options[i % len(options)], i)
     if dataclasses.is_dataclass(tp):
         return full(tp, i)
+    if origin is typing.Literal:  # one of its values (a constraint's kind)
+        return args[i % len(args)]
     if origin in (list, tuple):
         items = [sample(args[0], i + k) for k in range(3)]
         return tuple(items) if origin is tuple else items
