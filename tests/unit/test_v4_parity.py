@@ -112,10 +112,13 @@ def test_greedy_generation_matches_reference(checkpoint, overlap: bool, kernels:
     engine = Engine(str(path), kv_blocks=64, max_batch_tokens=24, kernels=kernels)  # chunked prefill, batched decode
     engine.overlap = overlap  # the overlapped scheduler takes back one token per stop: the rings roll back
     prompts = {"p0": _ids(7, seed=5), "p1": _ids(38, seed=6), "p2": _ids(21, seed=7)}
-    requests = [EngineRequest(rid, ids, _greedy(12), max_new_tokens=12) for rid, ids in prompts.items()]
+    new = 12
+    if kernels == "triton":  # interpreted on a CPU (a minute a config): a short and a chunked prompt, fewer steps
+        prompts, new = {k: prompts[k] for k in ("p0", "p1")}, 6
+    requests = [EngineRequest(rid, ids, _greedy(new), max_new_tokens=new) for rid, ids in prompts.items()]
     got = run_to_completion(engine, requests)
     for rid, ids in prompts.items():
-        assert got[rid] == _reference_generate(reference, ids, 12), rid
+        assert got[rid] == _reference_generate(reference, ids, new), rid
 
 
 def test_bounded_replay_equals_full_prefill(checkpoint) -> None:
