@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -209,9 +210,13 @@ class Grammars:
         return mask.pin_memory() if self.device.type == "cuda" else mask
 
 
+_NATIVE_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")  # xgrammar's C++ log: "[21:29:03] /x/y.cc:94: "
+
+
 def _first_line(exc: Exception) -> str:
+    """The error's first line, without the native library's timestamp and source location (a client reads it)."""
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return _NATIVE_PREFIX.sub("", text[0]) if text else type(exc).__name__
 
 
 def vocabulary(token_bytes: Callable[[int], bytes], is_special: Callable[[int], bool], size: int) -> list[bytes]:
