@@ -304,3 +304,23 @@ def build_hub(root: Path, name: str = "mixed") -> Path:
     model = build(root / "hf", name)
     save_hub_dialect(model, root / "hub")
     return root / "hub"
+
+
+def batched_logits(engine: Any, seqs: dict[str, list[int]], steps: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each (start, end) slice of every sequence as one batched step -> the logits of every step."""
+    from shared.engine.attention import AttentionMetadata, SeqSpan  # only for the engine tests
+
+    model, cache, bt = engine.model, engine.kv, engine.block_tokens
+    tables = {rid: list(range(i * 4, i * 4 + 4)) for i, rid in enumerate(seqs)}
+    for rid in seqs:
+        cache.begin(rid, 0)
+    out = []
+    for a, b in steps:
+        ids, pos, spans = [], [], []
+        for rid, tokens in seqs.items():
+            spans.append(SeqSpan(len(ids), b - a, b, torch.tensor(tables[rid][: -(-b // bt)]), rid))
+            ids += tokens[a:b]
+            pos += range(a, b)
+        meta = AttentionMetadata(torch.zeros(len(ids), dtype=torch.long), spans)
+        out.append(model.logits(model.forward(torch.tensor(ids), torch.tensor(pos), meta, cache)))
+    return out

@@ -28,6 +28,7 @@ a device buffer of prefill's (shared/worker/kv_cuda_ipc.py), exported before the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import zlib
 from collections import Counter, deque
@@ -385,7 +386,7 @@ class PeerPuller:
             self.counts["peer_corrupt"] += 1
             self.counts["peer_failed"] += 1
             return Pulled([], None)
-        offsets = [sum(desc.lengths[:i]) for i in range(whole + 1)]
+        offsets = [0, *itertools.accumulate(desc.lengths)]  # item i lies at [offsets[i], offsets[i + 1])
         run: list[Item] = [DeviceBlob(own, offsets[i], desc.lengths[i]) for i in range(start, reply.blocks)]
         tail: Item = DeviceBlob(own, offsets[reply.blocks], self._block_bytes) if reply.tail else b""
         state = b""

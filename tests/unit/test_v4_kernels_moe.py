@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine.attention import AttentionMetadata, SeqSpan
 from shared.engine.engine import Engine
 from shared.engine.models.deepseek_v4 import model as model_module
 from shared.engine.models.deepseek_v4.moe import experts, moe, shared_expert
@@ -149,24 +148,6 @@ def test_moe_layers_of_a_checkpoint(checkpoint: Path, T: int) -> None:
     torch.testing.assert_close(moe(s, wider, x, ids, triton=True), moe(s, wider, x, ids), atol=1e-5, rtol=1e-5)
 
 
-def _forward(engine: Engine, seqs: dict[str, list[int]], steps: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Run each (start, end) slice of every sequence as one batched step -> the logits of every step."""
-    model, cache, bt = engine.model, engine.kv, engine.block_tokens
-    tables = {rid: list(range(i * 4, i * 4 + 4)) for i, rid in enumerate(seqs)}
-    for rid in seqs:
-        cache.begin(rid, 0)
-    out = []
-    for a, b in steps:
-        ids, pos, spans = [], [], []
-        for rid, tokens in seqs.items():
-            spans.append(SeqSpan(len(ids), b - a, b, torch.tensor(tables[rid][: -(-b // bt)]), rid))
-            ids += tokens[a:b]
-            pos += range(a, b)
-        meta = AttentionMetadata(torch.zeros(len(ids), dtype=torch.long), spans)
-        out.append(model.logits(model.forward(torch.tensor(ids), torch.tensor(pos), meta, cache)))
-    return out
-
-
 def test_model_with_fused_moe_matches_torch_path(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny model end to end with the fused MoE forced on in every layer (nothing else changed: the
     interpreter's mHC kernels would cost minutes here; tests/unit/test_v4_parity.py's "triton" case runs them
@@ -174,7 +155,7 @@ def test_model_with_fused_moe_matches_torch_path(checkpoint: Path, monkeypatch: 
     g = torch.Generator().manual_seed(9)
     seqs = {rid: torch.randint(0, 512, (24,), generator=g).tolist() for rid in ("a", "b")}
     steps = [(0, 20), (20, 21), (21, 22)]
-    want = _forward(Engine(str(checkpoint), kv_blocks=16), seqs, steps)
+    want = v4_checkpoints.batched_logits(Engine(str(checkpoint), kv_blocks=16), seqs, steps)
     calls = []
 
     def fused(s, layer, x, input_ids, triton=False):
@@ -182,7 +163,7 @@ def test_model_with_fused_moe_matches_torch_path(checkpoint: Path, monkeypatch: 
         return moe(s, layer, x, input_ids, triton=True)
 
     monkeypatch.setattr(model_module, "moe", fused)
-    got = _forward(Engine(str(checkpoint), kv_blocks=16), seqs, steps)
+    got = v4_checkpoints.batched_logits(Engine(str(checkpoint), kv_blocks=16), seqs, steps)
     assert calls == [40] * 4 + [2] * 8  # every layer of every step took the kernel path
     for g_, ref in zip(got, want):
         torch.testing.assert_close(g_, ref, atol=1e-4, rtol=0)

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine.attention import AttentionMetadata, SeqSpan
 from shared.engine.engine import Engine
 from shared.engine.loader import hf
 from shared.engine.models.deepseek_v4 import model as model_module
@@ -163,24 +162,6 @@ def test_moe_layer_with_fp4_experts_and_fp8_shared(hub: Path) -> None:
         torch.testing.assert_close(moe(s, layer_q, x, ids, triton=True), moe(s, layer, x, ids), atol=1e-5, rtol=1e-5)
 
 
-def _forward(engine: Engine, seqs: dict[str, list[int]], steps: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Each (start, end) slice of every sequence as one batched step -> the logits of every step."""
-    model, cache, bt = engine.model, engine.kv, engine.block_tokens
-    tables = {rid: list(range(i * 4, i * 4 + 4)) for i, rid in enumerate(seqs)}
-    for rid in seqs:
-        cache.begin(rid, 0)
-    out = []
-    for a, b in steps:
-        ids, pos, spans = [], [], []
-        for rid, tokens in seqs.items():
-            spans.append(SeqSpan(len(ids), b - a, b, torch.tensor(tables[rid][: -(-b // bt)]), rid))
-            ids += tokens[a:b]
-            pos += range(a, b)
-        meta = AttentionMetadata(torch.zeros(len(ids), dtype=torch.long), spans)
-        out.append(model.logits(model.forward(torch.tensor(ids), torch.tensor(pos), meta, cache)))
-    return out
-
-
 def test_quantized_model_matches_dequantized(hub: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model with the loader's keep-quantized weights (FP8 GEMMs for every projection and the head, the fused
     MoE on FP4 experts) against the same checkpoint dequantized on the torch path: a batched prefill of two
@@ -189,7 +170,7 @@ def test_quantized_model_matches_dequantized(hub: Path, monkeypatch: pytest.Monk
     g = torch.Generator().manual_seed(9)
     seqs = {rid: torch.randint(0, 512, (16,), generator=g).tolist() for rid in ("a", "b")}
     steps = [(0, 12), (12, 13)]
-    want = _forward(Engine(str(hub), kv_blocks=16), seqs, steps)
+    want = v4_checkpoints.batched_logits(Engine(str(hub), kv_blocks=16), seqs, steps)
     engine = Engine(str(hub), kv_blocks=16)
     config, kept = hf.load(hub, keep_quantized=True)
     model = engine.model
@@ -204,7 +185,7 @@ def test_quantized_model_matches_dequantized(hub: Path, monkeypatch: pytest.Monk
         return moe(s, layer, x, input_ids, triton=True)
 
     monkeypatch.setattr(model_module, "moe", fused)
-    got = _forward(engine, seqs, steps)
+    got = v4_checkpoints.batched_logits(engine, seqs, steps)
     assert calls == [Fp4Weight] * 8
     for g_, ref in zip(got, want):
         torch.testing.assert_close(g_, ref, atol=1e-4, rtol=0)
