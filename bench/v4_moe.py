@@ -11,6 +11,7 @@ import argparse
 
 import torch
 
+from shared.engine import cuda_graphs
 from shared.engine.kernels.moe import fused_moe
 from shared.engine.models.deepseek_v4.moe import experts, shared_expert
 from shared.engine.models.deepseek_v4.weights import Experts
@@ -31,14 +32,7 @@ def _time(fn, iters: int = 20) -> float:
 
 
 def _graphed(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = cuda_graphs.capture(fn, None)  # the engine's own warm-up-then-capture
     return graph.replay
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.engine import cuda_graphs
 from shared.engine.models.deepseek_v4.moe import experts, shared_expert
 from shared.engine.models.deepseek_v4.weights import Experts
 
@@ -89,14 +90,7 @@ def test_no_host_sync_and_graph_capture(weights, T: int) -> None:
         run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = cuda_graphs.capture(run, None)  # the engine's own warm-up-then-capture
     for seed in (2, 3):  # new rows and a new routing, copied into the captured inputs
         x2, chosen2, w2 = _inputs(T, seed=seed)
         x.copy_(x2.to(torch.bfloat16))
