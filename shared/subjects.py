@@ -8,6 +8,7 @@
     decode --tokens.<rid> (core)--> recipe --events.<rid> (core)--> gateway
     anyone --requests.cancel (core, broadcast)--> everyone holding state for the request
     prefill/decode/kvcache --kv.events.<source> (core)--> balancer --kv.snapshot.<source> (req/reply)--> source
+    prefill/decode --balancer.lost (req/reply, once at start)--> balancer: what moved on while it was lost
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ KV_PUT_SHM = "kv.put.shm"  # KvPutShm -> KvShmReply: kv.put.batch, the bytes thr
 KV_DELETE = "kv.delete"
 KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
 BALANCER_STATS = "balancer.stats"  # BalancerStats -> BalancerStatsReply, for /metrics (the same way)
+BALANCER_LOST = "balancer.lost"  # LostQuery -> LostReply: a starting worker's Cancels, before it takes a job
 LAUNCHER_STATS = "launcher.stats"  # LauncherStats -> LauncherStatsReply: what `deepinfer up` supervises, for /metrics
 
 

@@ -44,7 +44,7 @@ from shared.bus import Bus, Envelope, Retry, Subscription, WorkQueue
 from services.balancer.kv_feed import KvEventFeed
 from services.balancer.prefix_index import PrefixIndex
 from shared.presence import announce_forever
-from shared.schemas.balancer import BalancerStats, BalancerStatsReply
+from shared.schemas.balancer import BalancerStats, BalancerStatsReply, LostQuery, LostReply
 from shared.schemas.generate import LOST, Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
 
@@ -93,6 +93,7 @@ class BalancerService:
             await bus.subscribe(subjects.WORKER_DONE, RequestDone, self._on_done),
             await bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel),
             await bus.serve(subjects.BALANCER_STATS, BalancerStats, self._stats),  # every instance answers
+            await bus.serve(subjects.BALANCER_LOST, LostQuery, self._lost),
         ]
         if "prefill" in self._roles:  # only prefill placement reads the caches' holdings
             self._feed = KvEventFeed(bus, self.index, clock=self._clock)
@@ -149,6 +150,11 @@ class BalancerService:
             kv_sources=len(self.index.sources()),
             kv_feed=dict(self._feed.stats) if self._feed is not None else {},
         )
+
+    async def _lost(self, query: LostQuery) -> LostReply:
+        """A worker starting up asks before it takes a job (its redelivered jobs may have moved on meanwhile); kept
+        until it joins, when they are sent again (_recancel), for a worker that did not ask."""
+        return LostReply([cancel for _, cancel in self._lost_on.get(query.worker_id, {}).values()])
 
     # --- routing -----------------------------------------------------------------------------------------------
 

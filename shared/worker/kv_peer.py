@@ -170,6 +170,9 @@ class Handovers:
         handover.first.set()
         handover.ended.set()
         self.counts[f"ended_{why}"] += 1
+        if why == "expired":
+            log.warning("hand-over of %s (migration %d) ended unpulled at its %.0f s lease", request_id,
+                        handover.migration, self.lease_s)
 
     async def serve(self, pull: KvPeerPull) -> KvPeerReply:
         """Items from `pull.start`, as many as fit `pull.max_bytes` (at least one), once the export is in."""

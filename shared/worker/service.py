@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from shared import subjects
-from shared.bus import Bus, Envelope, Retry, WorkQueue
+from shared.bus import Bus, BusError, BusTimeout, Envelope, Retry, WorkQueue
 from shared.config import ServiceConfig, default_batch_tokens
 from shared.engine.api import EngineFailure, RequestError
 from shared.engine.async_engine import AsyncEngine
@@ -41,6 +41,7 @@ from shared.worker.kv_cuda_ipc import pin_host
 from shared.worker.kv_transfer import KvTransfer
 from shared.worker.kvclient import MiB, KvClient, open_client
 from shared.models import resolve
+from shared.schemas.balancer import LostQuery, LostReply
 from shared.schemas.events import TIER_LOCAL
 from shared.schemas.generate import EVERY_WORKER, Cancel, TokenEvent
 from shared.schemas.workers import Heartbeat, RequestDone
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 ENDED_MEMORY_S = 300.0  # a cancel may overtake its job, a redelivery may follow its end: remember them this long
 EVERY = sys.maxsize  # the migration a plain Cancel ends: all of them, later continuations included
+LOST_QUERY_TIMEOUT_S = 2.0  # a starting worker waits this long for the balancer's word of what moved on
 EARLIER_RUNNING_RETRY_S = 0.5  # a continuation waits this long while its lost predecessor is aborted here
 
 
@@ -167,6 +169,7 @@ class EngineWorker(ABC):
         await self.serve_handover()
         if engine.device.type == "cuda":
             self._pin_arenas()
+        await self._hear_lost()
         self._tasks.append(asyncio.create_task(self._heartbeat()))
         self._queue = await self.bus.work_queue(
             self.work_subject(),
@@ -177,6 +180,24 @@ class EngineWorker(ABC):
             ack_wait=30.0,
         )
         self._status = "ready"
+
+    async def _hear_lost(self) -> None:
+        """Before the first job: the Cancels the balancer sent while this worker was lost (a restart). JetStream
+        redelivers the jobs the dead process held once their ack wait is over, and at a slow start that is at
+        once: heard only with the first heartbeat, those Cancels would race the jobs they end."""
+        assert self.bus is not None
+        try:
+            reply = await self.bus.request(subjects.BALANCER_LOST, LostQuery(self.config.instance), LostReply,
+                                           timeout=LOST_QUERY_TIMEOUT_S)
+        except BusError as exc:  # its rejoin's Cancels still come (the balancer sends them again then)
+            log.warning("could not ask the balancer what moved on while this worker was lost: %s", exc)
+            return
+        except BusTimeout:  # no balancer yet: nothing was routed anywhere, so nothing moved on
+            return
+        for cancel in reply.cancels:
+            self._take_cancel(cancel)
+        if reply.cancels:
+            log.info("%d requests moved on while this worker was lost: their jobs are dropped", len(reply.cancels))
 
     def _pin_arenas(self) -> None:
         """On a GPU, page-lock the shared-memory arenas whose bytes cross to or from the device (the store's runs
@@ -297,8 +318,11 @@ class EngineWorker(ABC):
             self._cancelled.pop(request_id, None)
 
     async def _on_cancel(self, cancel: Cancel, _: Envelope) -> None:
-        """Mark, and leave the engine to the aborter: this handler never waits for a step (the subscription runs
-        its messages one at a time, so waiting here would queue every later cancel behind it).
+        self._take_cancel(cancel)
+
+    def _take_cancel(self, cancel: Cancel) -> None:
+        """Mark, and leave the engine to the aborter: a Cancel never waits for a step (the subscription runs its
+        messages one at a time, so waiting here would queue every later cancel behind it).
 
         A plain Cancel ends every migration of the request; one addressed to this worker (it was taken for lost)
         or to every worker (the request's recipe was lost) ends the migrations up to the one it names, and a later

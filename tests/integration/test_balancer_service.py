@@ -13,6 +13,7 @@ from services.balancer.config import BalancerConfig
 from services.balancer.service import BalancerService
 from shared import subjects
 from shared.bus import Bus, Envelope
+from shared.schemas.balancer import LostQuery, LostReply
 from shared.schemas.generate import DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
 from shared.schemas.workers import Heartbeat
 
@@ -96,6 +97,10 @@ async def test_prefill_routing_worker_loss_and_no_worker(nats_url: str) -> None:
         assert left_after < 2.0
         await until(lambda: on_w1 <= {j.request.request_id for j in jobs["w2"]}, 3.0, "w1's jobs on w2")
         w1_count = len(jobs["w1"])
+        # w1 restarting asks, before it takes a job, what moved on meanwhile: its redelivered jobs must not run
+        told = await side.request(subjects.BALANCER_LOST, LostQuery("w1"), LostReply)
+        assert sorted((c.request_id, c.worker_id, c.role, c.reason) for c in told.cancels) == sorted(
+            (rid, "w1", "prefill", "re-routed") for rid in on_w1)
         for i in range(3):
             await side.submit(subjects.ROUTE_PREFILL, request(f"b{i}"), msg_id=f"b{i}")
         await until(lambda: sum(j.request.request_id.startswith("b") for j in jobs["w2"]) == 3, 5.0, "b jobs on w2")

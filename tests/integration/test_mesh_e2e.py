@@ -419,7 +419,8 @@ async def _decode_heartbeat(nats_url: str, wanted: Callable[[Heartbeat], bool], 
 
 
 def _busy(beat: Heartbeat) -> bool:
-    return beat.running > 0
+    """A sequence in the engine: `running` also counts those still waiting for their KV, which hold no blocks."""
+    return beat.running - beat.waiting > 0
 
 
 def _idle(beat: Heartbeat) -> bool:

@@ -12,6 +12,7 @@ from services.balancer.config import BalancerConfig
 from services.balancer.service import BalancerService
 from shared import hashing, subjects
 from shared.bus import Envelope, Retry
+from shared.schemas.balancer import LostQuery
 from shared.schemas.generate import LOST, Cancel, DecodeJob, GenerateRequest, PrefillJob, SamplingParams, TokenEvent
 from shared.schemas.events import TIER_LOCAL, TIER_SSD, KvSnapshot
 from shared.schemas.workers import Heartbeat, RequestDone
@@ -231,6 +232,20 @@ async def test_a_lost_worker_that_comes_back_is_told_again_what_ended_while_it_w
     await svc.reap(clock.t)
     await heartbeat(svc, lost, clock, role="decode")  # a second return: already told
     assert cancels(bus) == [("r1", "worker lost")] * 2
+
+
+async def test_a_restarting_worker_asks_what_moved_on_before_its_first_job(setup: Any) -> None:
+    svc, bus, clock = setup
+    await heartbeat(svc, "p1", clock)
+    await svc.route("prefill", request("r1"))
+    clock.t += 4.0
+    await svc.reap(clock.t)  # p1 lost, no other worker: r1 is handed back to resume
+    moved = [m for s, m in bus.published if s == subjects.CANCEL]
+    assert (await svc._lost(LostQuery("p1"))).cancels == moved == [Cancel("r1", "worker lost", "p1", role="prefill")]
+    assert (await svc._lost(LostQuery("p2"))).cancels == []
+    assert (await svc._lost(LostQuery("p1"))).cancels == moved  # asking keeps them: the rejoin sends them again
+    await heartbeat(svc, "p1", clock)
+    assert (await svc._lost(LostQuery("p1"))).cancels == []
 
 
 async def test_a_rerouted_request_is_let_go_by_the_lost_worker_alone(setup: Any) -> None:
