@@ -186,8 +186,11 @@ class KVCache:
         """Write blobs (bytes, or views of a buffer such as the arena's: imported from where they lie)."""
         assert len(blocks) == len(blobs)
         check_blobs(blobs, self.block_bytes)
-        for at, end, data in runs_of(blobs, self.kv.device.type == "cpu"):
+        device = self.kv.device
+        runs = runs_of(blobs, True) if device.type == "cpu" else staged_runs(blobs, self.block_bytes, device)
+        for at, end, data in runs:
             self.import_run(blocks[at:end], data)
+        sync_device(device)
 
     def _rows(self) -> np.ndarray:
         """The cache's bytes as a writable (L, 2, N, B*K*D*itemsize) array, no copy (CPU only)."""
@@ -241,9 +244,7 @@ def device_run(buf: object, nbytes: int) -> torch.Tensor | None:
 
 def to_device(data: np.ndarray, device: torch.device) -> torch.Tensor:
     """One host->device copy of `data` (read-only memory is fine: nothing writes through the host tensor)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-        return torch.from_numpy(data).to(device)
+    return _host_tensor(data).to(device)
 
 
 def check_blobs(blobs: Sequence[Blob], block_bytes: int) -> None:
@@ -258,18 +259,27 @@ def split_blobs(export: Callable[[list[int], HostBuffer], None], blocks: list[in
     return [bytes(buf[i * block_bytes : (i + 1) * block_bytes]) for i in range(len(blocks))]
 
 
-def runs_of(blobs: Sequence[Blob], each: bool) -> Iterator[tuple[int, int, np.ndarray | torch.Tensor]]:
+def runs_of(blobs: Sequence[Blob], each: bool, join: bool = True
+            ) -> Iterator[tuple[int, int, np.ndarray | torch.Tensor]]:
     """(start, end, bytes) covering `blobs` in order: blobs that lie back to back in one buffer (a run the arena
     lent) as one view of it, so a run crosses to the device in one copy; the others joined into one copy per
-    stretch of them, so an import is a few large copies, not one per blob. `each`: every blob on its own, no
-    join (where one copy per block costs nothing more, as Llama's on the CPU). Blobs in device memory
-    (DeviceBlob) come as device tensors, back-to-back ones of one run as one."""
+    stretch of them, so an import is a few large copies, not one per blob (`join` False: each of those on its
+    own, for a caller that copies them into one buffer itself). `each`: every blob on its own, no join (where
+    one copy per block costs nothing more, as Llama's on the CPU). Blobs in device memory (DeviceBlob) come as
+    device tensors, back-to-back ones of one run as one."""
     if any(isinstance(b, DeviceBlob) for b in blobs):
-        yield from _device_runs(blobs)
+        yield from _device_runs(blobs, join)
         return
     if each:
         for i, blob in enumerate(blobs):
             yield i, i + 1, np.frombuffer(blob, dtype=np.uint8)
+        return
+    if not join:
+        at = 0
+        while at < len(blobs):
+            end, view = _adjacent(blobs, at)
+            yield at, end, view
+            at = end
         return
     loose = 0  # the stretch of blobs that lie nowhere in particular starts here
     at = 0
@@ -285,7 +295,7 @@ def runs_of(blobs: Sequence[Blob], each: bool) -> Iterator[tuple[int, int, np.nd
         yield loose, len(blobs), _joined(blobs[loose:])
 
 
-def _device_runs(blobs: Sequence[Blob]) -> Iterator[tuple[int, int, np.ndarray | torch.Tensor]]:
+def _device_runs(blobs: Sequence[Blob], join: bool) -> Iterator[tuple[int, int, np.ndarray | torch.Tensor]]:
     """runs_of for a list that has device blobs: each stretch of them lying back to back in one run as one
     tensor, the host blobs between as runs_of gives them."""
     at = 0
@@ -293,7 +303,7 @@ def _device_runs(blobs: Sequence[Blob]) -> Iterator[tuple[int, int, np.ndarray |
         first = blobs[at]
         if not isinstance(first, DeviceBlob):
             end = next((i for i in range(at, len(blobs)) if isinstance(blobs[i], DeviceBlob)), len(blobs))
-            for lo, hi, data in runs_of(blobs[at:end], False):
+            for lo, hi, data in runs_of(blobs[at:end], False, join):
                 yield at + lo, at + hi, data
             at = end
             continue
@@ -305,6 +315,47 @@ def _device_runs(blobs: Sequence[Blob]) -> Iterator[tuple[int, int, np.ndarray |
             end, nbytes = end + 1, nbytes + nxt.nbytes
         yield at, end, first.run[first.offset : first.offset + nbytes]
         at = end
+
+
+STAGE_BYTES = 64 << 20  # a GPU import's staging buffer: a few of them for a long prompt, not one per arena slot
+
+
+def staged_runs(blobs: Sequence[Blob], block_bytes: int, device: torch.device, max_bytes: int = STAGE_BYTES
+                ) -> Iterator[tuple[int, int, np.ndarray | torch.Tensor]]:
+    """runs_of for a GPU cache's import: the blobs gathered into device buffers of up to `max_bytes` (each piece,
+    a blob or a run of adjacent ones, copied into its place once, host->device or on the device), so the import
+    scatters each buffer into the paged tensors once (a model with many paged tensors, as V4's 43 layers of
+    entries and indexer keys, pays its launches per buffer, not per arena slot). Blobs that are one piece already
+    come as they are. The host->device copies are asynchronous: the caller synchronises before the host bytes
+    may go (sync_device)."""
+    pieces = list(runs_of(blobs, False, join=False))
+    if len(pieces) <= 1:
+        yield from pieces
+        return
+    per = max(1, max_bytes // block_bytes)
+    for lo in range(0, len(blobs), per):
+        hi = min(len(blobs), lo + per)
+        staged = torch.empty((hi - lo) * block_bytes, dtype=torch.uint8, device=device)
+        for start, end, data in pieces:
+            s, e = max(start, lo), min(end, hi)
+            if s >= e:
+                continue
+            part = data[(s - start) * block_bytes : (e - start) * block_bytes]
+            src = part if isinstance(part, torch.Tensor) else _host_tensor(part)
+            staged[(s - lo) * block_bytes : (e - lo) * block_bytes].copy_(src, non_blocking=True)
+        yield lo, hi, staged
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued copies (a staged import's, before its host bytes are let go)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _host_tensor(data: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable": it is only read
+        return torch.from_numpy(data)
 
 
 def _adjacent(blobs: Sequence[Blob], at: int) -> tuple[int, np.ndarray]:

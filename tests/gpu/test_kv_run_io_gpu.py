@@ -52,3 +52,25 @@ def test_cuda_run_io_matches_the_cpu_layout_through_every_kind_of_buffer(make) -
         assert arena.free_slots == 1
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("make", [_llama, _v4], ids=["llama", "v4"])
+def test_scattered_blobs_import_through_few_staging_buffers_exactly(make, monkeypatch) -> None:
+    """The store's get gives a long prompt's blocks as many arena slots and loose blobs: a GPU import stages them
+    into device buffers (shared/engine/kv_cache.py: staged_runs) and scatters each once; the bytes land exactly
+    where the CPU cache puts them, with buffers smaller than the prompt too."""
+    import shared.engine.kv_cache as kv_cache
+
+    cpu_src, cpu_dst = make(12), make(12)
+    bb = cpu_src.block_bytes
+    monkeypatch.setattr(kv_cache, "STAGE_BYTES", 3 * bb)  # several buffers for the 10 blocks below
+    monkeypatch.setattr(kv_cache.staged_runs, "__defaults__", (3 * bb,))
+    blobs = cpu_src.read_blocks(list(range(10)))
+    backing = bytearray(b"".join(blobs[2:6]))  # four adjacent views, like an arena slot's
+    views = [memoryview(backing)[i * bb : (i + 1) * bb] for i in range(4)]
+    mixed = [blobs[0], blobs[1], *views, blobs[6], blobs[7], blobs[8], blobs[9]]
+    targets = [11, 0, 5, 3, 9, 1, 7, 2, 10, 4]
+    gpu = _to(cpu_dst, torch.device("cuda"))
+    gpu.write_blocks(targets, mixed)
+    cpu_dst.write_blocks(targets, mixed)
+    assert gpu.read_blocks(list(range(12))) == cpu_dst.read_blocks(list(range(12)))

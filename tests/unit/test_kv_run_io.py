@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec, runs_of
+from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec, runs_of, staged_runs
 from shared.engine.models.deepseek_v4.cache import V4Cache
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec
 from shared.kv_arena import Arena, arena_path
@@ -81,3 +81,20 @@ def test_blocks_import_straight_from_the_arena_views(make) -> None:
         assert arena.free_slots == 2
     finally:
         arena.close()
+
+
+def test_a_gpu_import_is_staged_in_few_buffers_each_piece_copied_once() -> None:
+    """staged_runs (what a GPU cache's write_blocks imports from), run here on CPU tensors: scattered blobs and runs
+    of adjacent views land in buffers of at most max_bytes, in order, each byte where its block goes."""
+    bb = 8
+    backing = bytearray(np.arange(10 * bb, dtype=np.uint8).tobytes())
+    run = memoryview(backing)
+    views = [run[i * bb : (i + 1) * bb] for i in range(10)]
+    loose = [bytes([200 + i]) * bb for i in range(3)]
+    blobs = [loose[0], views[2], views[3], views[4], loose[1], views[7], loose[2], views[8], views[9]]
+    staged = list(staged_runs(blobs, bb, torch.device("cpu"), max_bytes=4 * bb))
+    assert [(a, b) for a, b, _ in staged] == [(0, 4), (4, 8), (8, 9)]  # by buffer, not by piece (6 pieces)
+    got = b"".join(bytes(t.numpy()) for _, _, t in staged)
+    assert got == b"".join(bytes(b) for b in blobs)
+    one = list(staged_runs(views[2:6], bb, torch.device("cpu"), max_bytes=bb))
+    assert [(a, b) for a, b, _ in one] == [(0, 4)]  # one piece already: as it is, not copied again

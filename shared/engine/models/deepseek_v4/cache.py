@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from shared.engine.kv_cache import (Blob, HostBuffer, check_blobs, device_run, host_bytes, runs_of, split_blobs,
-                                    to_device)
+                                    staged_runs, sync_device, to_device)
 from shared.engine.models.deepseek_v4.spec import CSA, DeepseekV4Spec
 
 HEADER = 24  # length, begin, mtp_length as int64
@@ -236,8 +236,11 @@ class V4Cache:
     def write_blocks(self, blocks: list[int], blobs: Sequence[Blob]) -> None:
         assert len(blocks) == len(blobs)
         check_blobs(blobs, self.block_bytes)
-        for at, end, data in runs_of(blobs, False):  # per run, not per blob: a few large copies per tensor
+        # per run, not per blob: a few large copies per tensor; on a GPU per staging buffer (see staged_runs)
+        runs = runs_of(blobs, False) if self.device.type == "cpu" else staged_runs(blobs, self.block_bytes, self.device)
+        for at, end, data in runs:
             self.import_run(blocks[at:end], data)
+        sync_device(self.device)
 
     # --- short-term state as bytes ----------------------------------------------------------------------------
 
