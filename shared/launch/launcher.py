@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,19 +148,27 @@ def supervise(child: Child, now: float | None = None) -> None:
             spawn(child)
         return
     assert child.process is not None
-    code = child.process.poll()
-    if code is None:
-        if child.restarts.settle(child.started_at, now):
-            print(f"{child.instance} has run {STABLE_S:.0f} s since its last restart: out of its crash loop",
-                  flush=True)
+    wait = _check_on(child.instance, child.process.poll(), child.restarts, child.started_at, now,
+                     lambda: why_it_died(child))
+    if wait is None:
         return
-    wait = child.restarts.died(child.started_at, now)
-    print(f"{child.instance} exited with code {code}; {restart_note(child.restarts, wait)}{why_it_died(child)}",
-          flush=True)
     if wait > 0:
         child.restart_at = now + wait
     else:
         spawn(child)
+
+
+def _check_on(name: str, code: int | None, restarts: RestartPolicy, started_at: float, now: float,
+              detail: Callable[[], str]) -> float | None:
+    """None while the process runs (saying so once it has run long enough to be out of a crash loop); once it
+    died, the wait before its restart, announced with `detail()` (where to look)."""
+    if code is None:
+        if restarts.settle(started_at, now):
+            print(f"{name} has run {STABLE_S:.0f} s since its last restart: out of its crash loop", flush=True)
+        return None
+    wait = restarts.died(started_at, now)
+    print(f"{name} exited with code {code}; {restart_note(restarts, wait)}{detail()}", flush=True)
+    return wait
 
 
 def restart_note(policy: RestartPolicy, wait: float) -> str:
@@ -185,15 +194,10 @@ class SupervisedNats:
 
 def supervise_nats(nats: SupervisedNats, now: float) -> None:
     if nats.restart_at is None:
-        code = nats.server.process.poll()
-        if code is None:
-            if nats.restarts.settle(nats.started_at, now):
-                print(f"nats-server has run {STABLE_S:.0f} s since its last restart: out of its crash loop",
-                      flush=True)
+        wait = _check_on("nats-server", nats.server.process.poll(), nats.restarts, nats.started_at, now,
+                         lambda: f" on {nats.server.url} (log: {nats.server.log_file})")
+        if wait is None:
             return
-        wait = nats.restarts.died(nats.started_at, now)
-        print(f"nats-server exited with code {code}; {restart_note(nats.restarts, wait)} on {nats.server.url} "
-              f"(log: {nats.server.log_file})", flush=True)
         nats.restart_at = now + wait
     if now < nats.restart_at:
         return
