@@ -415,12 +415,14 @@ def test_ngram_speculation_matches_plain_decoding(loaded: LoadedModel, device: s
 # --- the reasoning budget ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
-def test_with_budget_3_the_4th_output_token_is_the_end_of_thinking_token(loaded: LoadedModel, overlap: bool) -> None:
+def test_with_budget_3_the_4th_output_token_is_the_end_of_thinking_token(loaded: LoadedModel, overlap: bool,
+                                                                         device: str) -> None:
     """The end token is one the plain run never makes: the budget forces it at output position 3, then the run
     goes on free (the 5th token is the model's own again). An end token the model makes itself within the budget
-    is not forced a second time."""
-    engine = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    is not forced a second time. On a GPU the batched sampler and the device-side check of the output counts."""
+    engine = Engine(loaded, device=device, dtype=torch.float32, kv_blocks=32)
     engine.overlap = overlap
     base = {"temperature": 0, "ignore_eos": True}
     plain = run_to_completion(engine, [EngineRequest("p", PROMPTS[0], SamplingParams(**base), 8)])["p"]
