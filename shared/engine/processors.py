@@ -13,8 +13,10 @@ attribute check; a step where no row uses them returns its logits untouched.
                          (not the prompt: OpenAI's definition; a continuation's output_offset tokens are output)
     min_tokens           while the output position is below min_tokens, the sequence's stop ids get -inf
     reasoning budget     from output position reasoning_budget on, while reasoning_end does not occur in the
-                         output so far, every logit but reasoning_end's is -inf: the reasoning is closed there
-                         (last, so nothing before it can undo it; the grammar mask after it is not open yet)
+                         output so far, every logit but reasoning_end's is -inf: the reasoning is closed there.
+                         Applied after bias and penalties (nothing before it can undo it; min_tokens after it bans
+                         stop ids only); the grammar mask after the processors is not open before that token.
+                         It reads the output counts, so a budgeted sequence holds a slot like a penalised one
 
 The penalties need each sequence's token history. It lives on the logits' device, one row of a (slots, V) bool
 table (ids in prompt or output) and of a (slots, V) float32 table (output counts) per penalised sequence: filled
