@@ -62,6 +62,7 @@ class Flight:
         self._next = 0  # output position of the next token to feed
         self._taken = 0  # engine tokens fed so far
         self._pending: dict[int, TokenEvent] = {}
+        self.cumulative_logprob = 0.0  # of the engine tokens taken (when they came with logprobs): best_of ranks by it
         self._ready = False
         self._seq = 0
 
@@ -82,6 +83,10 @@ class Flight:
     @property
     def cached_tokens(self) -> int:
         return self._processor.usage.cached_tokens
+
+    @property
+    def processor(self) -> OutputProcessor:
+        return self._processor
 
     @property
     def finish_reason(self) -> str:
@@ -137,6 +142,7 @@ class Flight:
             if nxt.token_ids:
                 self._taken += len(nxt.token_ids)
                 self._ids += nxt.token_ids
+                self.cumulative_logprob += sum(lp.logprob for lp in nxt.logprobs)
                 events += p.push(Tokens(nxt.token_ids, nxt.logprobs or None))
             self._next = nxt.index + max(len(nxt.token_ids), 1)
             if nxt.finish_reason is not None:

@@ -56,6 +56,13 @@ class InferenceSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    # thinking.budget_tokens (Anthropic's, and Chat's `thinking` object): reasoning tokens before the format's
+    # end-of-thinking token is forced; None = no budget. Read in thinking mode only.
+    reasoning_budget: int | None = None
+    # n > 1 (Chat, Completions) and Completions best_of: `best_of` candidates are generated (fanout.py), the `n`
+    # with the highest cumulative logprob returned; without best_of both are n
+    n: int = 1
+    best_of: int = 1
 
 
 @dataclass(frozen=True)

@@ -430,6 +430,8 @@ class Engine:
         sp = req.sampling
         if any(not 0 <= t < self.config.vocab_size for t in sp.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {self.config.vocab_size})")
+        if sp.reasoning_budget >= 0 and not 0 <= sp.reasoning_end < self.config.vocab_size:
+            raise RequestError(f"reasoning_end must be a token id in [0, {self.config.vocab_size})")
         stop = req.stop_token_ids
         if stop is None:
             stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else self.config.eos_ids)]
@@ -508,6 +510,7 @@ def sampling_spec(sp: SamplingParams) -> SamplingSpec:
         (all(-100 <= b <= 100 for b in sp.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         (sp.logprobs is None or 0 <= sp.logprobs <= MAX_LOGPROBS,
          f"logprobs must be in [0, {MAX_LOGPROBS}], got {sp.logprobs}"),
+        (sp.reasoning_budget < 0 or sp.reasoning_end >= 0, "a reasoning_budget needs its reasoning_end token"),
     )
     for ok, message in checks:  # (NaN fails every comparison, so it is refused too)
         if not ok:
@@ -516,7 +519,8 @@ def sampling_spec(sp: SamplingParams) -> SamplingSpec:
     # a zero bias changes nothing: leaving it out keeps a request that sends only zeros off the processors
     bias = tuple(sorted((int(t), float(b)) for t, b in sp.logit_bias.items() if b != 0))
     return SamplingSpec(sp.temperature, sp.top_k, sp.top_p, seed, sp.min_p, sp.repetition_penalty, sp.min_tokens,
-                        sp.presence_penalty, sp.frequency_penalty, bias, -1 if sp.logprobs is None else sp.logprobs)
+                        sp.presence_penalty, sp.frequency_penalty, bias, -1 if sp.logprobs is None else sp.logprobs,
+                        reasoning_budget=max(sp.reasoning_budget, -1), reasoning_end=sp.reasoning_end)
 
 
 def _served_vocabulary(model: str | ModelFiles | LoadedModel, files: ModelFiles | None,

@@ -12,6 +12,11 @@ attribute check; a step where no row uses them returns its logits untouched.
     presence/frequency   l - frequency x c - presence x (c > 0), c = how often the id occurs in the output so far
                          (not the prompt: OpenAI's definition; a continuation's output_offset tokens are output)
     min_tokens           while the output position is below min_tokens, the sequence's stop ids get -inf
+    reasoning budget     from output position reasoning_budget on, while reasoning_end does not occur in the
+                         output so far, every logit but reasoning_end's is -inf: the reasoning is closed there.
+                         Applied after bias and penalties (nothing before it can undo it; min_tokens after it bans
+                         stop ids only); the grammar mask after the processors is not open before that token.
+                         It reads the output counts, so a budgeted sequence holds a slot like a penalised one
 
 The penalties need each sequence's token history. It lives on the logits' device, one row of a (slots, V) bool
 table (ids in prompt or output) and of a (slots, V) float32 table (output counts) per penalised sequence: filled
@@ -58,7 +63,7 @@ class LogitsProcessors:
             logits = logits.flatten().index_add(0, flat, values).view_as(logits)
         penalised = [i for i in hot if _history(rows[i][0].seq)]
         if penalised:
-            logits = self._penalise(logits, rows, penalised)
+            logits = self._penalise(logits, rows, penalised, positions)
         banned = [(i, t) for i in hot if positions[i] < rows[i][0].seq.sampling.min_tokens
                   for t in rows[i][0].seq.stop_ids]
         if banned:
@@ -93,7 +98,8 @@ class LogitsProcessors:
         if slot is not None:
             self._free.append(slot)
 
-    def _penalise(self, logits: torch.Tensor, rows: list[Row], penalised: list[int]) -> torch.Tensor:
+    def _penalise(self, logits: torch.Tensor, rows: list[Row], penalised: list[int],
+                  positions: list[int]) -> torch.Tensor:
         slots = [self._slot(rows[i][0].seq) for i in penalised]
         at, slot_t = self._tensor(penalised), self._tensor(slots)
         specs = [rows[i][0].seq.sampling for i in penalised]
@@ -118,6 +124,10 @@ class LogitsProcessors:
             frequency = self._floats([s.frequency_penalty for s in specs])
             presence = self._floats([s.presence_penalty for s in specs])
             x = x - frequency * counts - presence * (counts > 0)
+            due = [(j, s.reasoning_end) for j, (i, s) in enumerate(zip(penalised, specs))
+                   if 0 <= s.reasoning_budget <= positions[i]]
+            if due:
+                x = _close_reasoning(x, counts, self._tensor([j for j, _ in due]), self._tensor([e for _, e in due]))
         self._pending = (at, slot_t)
         return logits.index_copy(0, at, x)
 
@@ -155,6 +165,16 @@ class LogitsProcessors:
 def _history(seq: Sequence) -> bool:
     """Whether the sequence's sampling reads its token history (the slot tables)."""
     return seq.sampling.repetition_penalty != 1.0 or seq.sampling.counts_output
+
+
+def _close_reasoning(x: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """x (n, V) logits and counts (n, V) output occurrences (drafts included); `rows` (m,) past their budget, `end`
+    (m,) their reasoning_end ids -> x with each of those rows that has not produced its end yet forced to it. All
+    on the device: whether the end occurred is read from the counts there, never from the host."""
+    still_open = counts.index_select(0, rows).gather(1, end[:, None]) == 0  # (m, 1)
+    forced = torch.full((len(rows), x.shape[1]), float("-inf"), dtype=x.dtype, device=x.device)
+    forced.scatter_(1, end[:, None], 0.0)  # (m, V): only the end token can be drawn (greedy or sampled)
+    return x.index_copy(0, rows, torch.where(still_open, forced, x.index_select(0, rows)))
 
 
 def _mark(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:

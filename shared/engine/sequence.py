@@ -29,11 +29,14 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id: hashable, as a frozen spec is
     logprobs: int = -1  # -1 = off; n >= 0: the sampled token's raw logprob and the n most likely ids'
+    reasoning_budget: int = -1  # -1 = off; else positions from it on are forced to reasoning_end until it occurs
+    reasoning_end: int = -1
 
     @property
     def counts_output(self) -> bool:
-        """Whether a penalty reads how often each token occurs in the output (processors.py keeps the counts)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether a penalty or the reasoning budget reads how often each token occurs in the output (processors.py
+        keeps the counts: the budget asks whether reasoning_end is among them)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.reasoning_budget >= 0
 
     @property
     def processed(self) -> bool:

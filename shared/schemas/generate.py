@@ -43,6 +43,12 @@ class SamplingParams:
     # the output must match it; it travels with the request (prefill job, decode job, a continuation), and every
     # engine rebuilds its state from the output so far
     constraint: Constraint | None = None
+    # the reasoning budget (Anthropic's thinking.budget_tokens): while `reasoning_end` (the format's one
+    # end-of-thinking token) has not been generated, output position reasoning_budget and every one after it can
+    # only be that token, so at most reasoning_budget reasoning tokens come before the answer. -1 = no budget.
+    # Positions count from the output's start (across the hand-over and a migration, as min_tokens does).
+    reasoning_budget: int = -1
+    reasoning_end: int = -1
 
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs

@@ -242,6 +242,37 @@ def test_repeated_long_prompt_reports_cached_tokens(oai: openai.OpenAI, mesh: Me
     assert "recomputing" not in decode_log
 
 
+def test_n_choices_and_best_of_over_openai_sdk(oai: openai.OpenAI, mesh: Mesh) -> None:
+    """n = 3, streaming and not, and best_of, on the real mesh: greedy choices are the n = 1 answer each, usage
+    counts the prompt once and every choice's tokens; the later candidates find the prompt's KV cached."""
+    story = " ".join(f"On day {i} the harbour held {i + 3} boats." for i in range(12))
+    messages = [{"role": "user", "content": story + " How many boats on day 5?"}]
+    greedy = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 6}
+    three = oai.chat.completions.create(**greedy, n=3)  # first: its prompt is cached nowhere yet
+    one = oai.chat.completions.create(**greedy)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.message.content for c in three.choices] == [one.choices[0].message.content] * 3
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens > 100
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    stream = oai.chat.completions.create(**greedy, n=3, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)]
+    assert texts == [one.choices[0].message.content] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == three.usage.completion_tokens
+    best = oai.completions.create(model=MODEL, prompt=story, max_tokens=4, temperature=1.0, best_of=3, seed=3)
+    assert len(best.choices) == 1 and best.choices[0].index == 0 and best.usage.completion_tokens <= 12
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(model=MODEL, prompt=story, max_tokens=4, best_of=2, stream=True)
+    # the recipe's account of each fan-out: candidates after the first prefilled only the prompt's last block
+    log = (mesh.state_dir / "logs" / "recipe-0.log").read_text()
+    cached = [orjson.loads(line.rsplit("cached per candidate ", 1)[1]) for line in log.splitlines()
+              if "cached per candidate" in line]
+    assert len(cached) == 3 and all(len(c) == 3 for c in cached)
+    prompt = three.usage.prompt_tokens
+    assert cached[0][0] < prompt // 2 and all(c >= prompt - 16 for c in cached[0][1:]), cached
+
+
 async def _health(nats_url: str, service: str, instance: str) -> dict:
     """A service's own report (its HealthReply's JSON detail)."""
     bus = await Bus.connect(nats_url, "test-health")

@@ -134,6 +134,30 @@ def test_logprobs_in_chat_and_responses(oai: openai.OpenAI, mode: dict[str, Any]
         assert [(x.token, x.logprob) for x in part.logprobs] == [(e.token, e.logprob) for e in entries["content"]]
 
 
+def test_a_reasoning_budget_closes_the_reasoning_and_the_answer_follows(oai: openai.OpenAI) -> None:
+    """thinking.budget_tokens 3: the engine forces </think> at output position 3 (prefill samples position 0, decode
+    the rest), so the reasoning is the unbudgeted run's first 3 tokens (the same seed, the same draws) and the
+    answer follows it; streamed as returned."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 10,
+           "logprobs": True, "seed": 7}
+
+    def entries(reply: Any) -> tuple[list[str], list[str]]:
+        lp = reply.choices[0].logprobs
+        return ([x["token"] for x in (lp.model_extra or {}).get("reasoning_content") or []],
+                [e.token for e in lp.content or []])
+
+    free_reasoning, _ = entries(oai.chat.completions.create(**ask))
+    budget = {"extra_body": {"thinking": {"type": "enabled", "budget_tokens": 3}}}
+    reply = oai.chat.completions.create(**ask, **budget)
+    reasoning, answer = entries(reply)
+    assert len(free_reasoning) > 3 and reasoning == free_reasoning[:3]
+    assert answer and reply.choices[0].message.content  # the answer came after the forced end of the reasoning
+    streamed = list(oai.chat.completions.create(**ask, **budget, stream=True))
+    assert "".join(reasoning_of(c.choices[0].delta) for c in streamed if c.choices) == reasoning_of(
+        reply.choices[0].message)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == reply.choices[0].message.content
+
+
 def test_repeated_long_prompt_restores_its_blocks(oai: openai.OpenAI, mesh: Mesh) -> None:
     first, second = oai.chat.completions.create(**LONG), oai.chat.completions.create(**LONG)
     n = first.usage.prompt_tokens

@@ -17,7 +17,7 @@ from shared import subjects
 from shared.bus import Bus, Envelope
 from shared.models import resolve
 from shared.schemas.gateway import ApiEvent, PrepareReply, PrepareRequest, Resume
-from shared.schemas.generate import EVERY_WORKER, Cancel, GenerateRequest, TokenEvent
+from shared.schemas.generate import EVERY_WORKER, Cancel, GenerateRequest, TokenEvent, TokenLogprob
 from shared.tokenizer import Tokenizer, load_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -169,7 +169,7 @@ async def test_anthropic_stop_sequence_cancels_the_workers(mesh: Mesh) -> None:
          "invalid_request_error"),
         ("messages", {"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400,
          "invalid_request_error"),
-        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400,
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17}, 400,
          "invalid_request_error"),
     ],
 )
@@ -370,3 +370,83 @@ async def test_a_repeat_that_brings_another_token_is_noted_and_the_client_keeps_
                       TokenEvent(rid, 1, ids[1:], "stop"))
     got = await mesh.until_done(events)
     assert _content(got) == " one two three" and mesh.recipe.forks == 1
+
+
+# --- several choices (n > 1, best_of): one sub-request per candidate, merged into one response ---------------------
+
+
+async def test_n_choices_share_the_prompt_and_merge_into_one_stream(mesh: Mesh) -> None:
+    """Choice 0 goes first; the others once its first token is back (so they find its prompt cached). Each choice
+    streams with its index; the usage comes once, at the end, then [DONE]."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True, "seed": 7}
+    rid, reply, events = await mesh.prepare("chat", body)
+    assert reply.ok and reply.stream
+    first = await asyncio.wait_for(mesh.work.get(), 5.0)
+    assert first.request_id == f"{rid}-c0" and first.sampling.seed == 7
+    await asyncio.sleep(0.1)
+    assert mesh.work.empty()  # not before choice 0's prompt is computed
+    prompt = len(first.prompt_ids)
+    await mesh.tokens(first.request_id, TokenEvent(first.request_id, 0, mesh.tokenizer.encode("Hello"), None, prompt))
+    second = await asyncio.wait_for(mesh.work.get(), 5.0)
+    assert second.request_id == f"{rid}-c1" and second.prompt_ids == first.prompt_ids
+    assert second.sampling.seed not in (None, 7)
+    await mesh.tokens(second.request_id, TokenEvent(second.request_id, 0, mesh.tokenizer.encode("Bye") + [EOS],
+                                                    "stop", prompt, cached_tokens=prompt - 3))
+    await mesh.tokens(first.request_id, TokenEvent(first.request_id, 1, mesh.tokenizer.encode(" you") + [EOS], "stop"))
+    got = await mesh.until_done(events)
+    frames = [f for e in got for f in e.frames]
+    assert frames[-1] == b"data: [DONE]\n\n"
+    chunks = [orjson.loads(f.removeprefix(b"data: ")) for f in frames[:-1]]
+    texts = ["".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                     if c["choices"] and c["choices"][0]["index"] == i) for i in (0, 1)]
+    assert texts == ["Hello you", "Bye"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == prompt
+    generated = sum(len(mesh.tokenizer.encode(t)) + (t != "Hello") for t in ("Hello", " you", "Bye"))  # + EOS
+    assert chunks[-1]["usage"]["completion_tokens"] == generated
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # choice 0's: before any sharing
+    assert mesh.cancels.empty() and mesh.recipe.health() == (True, "0 in flight")
+
+
+async def test_best_of_ranks_the_candidates_by_their_logprobs(mesh: Mesh) -> None:
+    body = {"model": MODEL, "prompt": "Once", "best_of": 3, "max_tokens": 4}
+    rid, reply, events = await mesh.prepare("completions", body)
+    assert reply.ok and not reply.stream
+    texts = {0: " upon", 1: " there", 2: " more"}
+    scores = {0: -3.0, 1: -1.0, 2: -2.0}
+    for i in range(3):
+        work = await asyncio.wait_for(mesh.work.get(), 5.0)
+        assert work.request_id == f"{rid}-c{i}" and work.sampling.logprobs == 0  # needed to rank, not reported
+        ids = mesh.tokenizer.encode(texts[i])
+        logprobs = [TokenLogprob(scores[i] / len(ids)) for _ in ids]
+        await mesh.tokens(work.request_id, TokenEvent(work.request_id, 0, ids, "length", len(work.prompt_ids),
+                                                      logprobs=logprobs))
+    (final,) = [e for e in await mesh.until_done(events) if e.done]
+    response = orjson.loads(final.body)
+    assert [(c["index"], c["text"]) for c in response["choices"]] == [(0, " there")]
+    assert response["choices"][0]["logprobs"] is None
+    assert response["usage"]["completion_tokens"] == sum(len(mesh.tokenizer.encode(t)) for t in texts.values())
+
+
+async def test_a_client_cancel_reaches_every_choice_and_a_failed_one_fails_the_request(mesh: Mesh) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 3}
+    rid, reply, events = await mesh.prepare("chat", body)
+    first = await asyncio.wait_for(mesh.work.get(), 5.0)
+    await mesh.tokens(first.request_id, TokenEvent(first.request_id, 0, [42], None, len(first.prompt_ids)))
+    for _ in range(2):
+        await asyncio.wait_for(mesh.work.get(), 5.0)
+    await mesh.bus.publish(subjects.CANCEL, Cancel(rid, reason="client disconnected"))
+    cancels = {(await asyncio.wait_for(mesh.cancels.get(), 5.0)).request_id for _ in range(4)}
+    assert cancels == {rid, f"{rid}-c0", f"{rid}-c1", f"{rid}-c2"}
+    assert mesh.recipe.health() == (True, "0 in flight")
+
+    rid, reply, events = await mesh.prepare("chat", body)
+    first = await asyncio.wait_for(mesh.work.get(), 5.0)
+    await mesh.tokens(first.request_id, TokenEvent(first.request_id, 0, [42], None, len(first.prompt_ids)))
+    others = [await asyncio.wait_for(mesh.work.get(), 5.0) for _ in range(2)]
+    await mesh.tokens(others[0].request_id, TokenEvent(others[0].request_id, 0, [], "error", error="device lost",
+                                                       error_status=500))
+    (final,) = await mesh.until_done(events)
+    assert final.status == 500 and orjson.loads(final.body)["error"]["message"] == "device lost"
+    cancels = {(await asyncio.wait_for(mesh.cancels.get(), 5.0)).request_id for _ in range(3)}
+    assert cancels == {f"{rid}-c0", f"{rid}-c1", f"{rid}-c2"}  # the failed one's own, and its siblings'
+    assert mesh.recipe.health() == (True, "0 in flight")

@@ -252,3 +252,33 @@ def test_sampling_fields_reach_the_spec() -> None:
     sp = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={9: -3, 2: 1.5, 4: 0}, seed=1)
     assert sampling_spec(sp) == SamplingSpec(1.0, 0, 1.0, 1, presence_penalty=0.5, frequency_penalty=-1.0,
                                              logit_bias=((2, 1.5), (9, -3.0)))  # sorted; a zero bias is no bias
+
+
+def test_the_reasoning_budget_forces_the_end_token_from_its_position_until_it_occurs() -> None:
+    """Budget 3, end id 9: positions 0-2 are free, position 3 can only be 9; a sequence whose output already has
+    9 is left alone; a speculative row counts the drafts before it (a draft 9 closes the reasoning)."""
+    proc = LogitsProcessors(V, CPU)
+    spec = SamplingSpec(0.0, 0, 1.0, 0, reasoning_budget=3, reasoning_end=9)
+    early, due, closed = (_seq(r, [5, 6, 20, 21, 22], spec) for r in ("e", "d", "c"))
+    for seq, output in ((early, 2), (due, 3), (closed, 3)):
+        seq.num_generated = output  # the last `output` ids are its output
+    closed.token_ids[-2] = 9
+    logits = _logits(3, seed=7)
+    out = proc.apply(logits, [(_decode(early), 0), (_decode(due), 0), (_decode(closed), 0)], [2, 3, 3])
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert int(out[1].argmax()) == 9 and torch.isinf(out[1]).sum() == V - 1
+    proc.record([30, 9, 31])  # the forced 9 now counts for d: position 4 is free again
+    out = proc.apply(_logits(1, seed=8), [(_decode(due), 0)], [4])
+    assert not torch.isinf(out[0]).any()
+    spec_row = _seq("s", [5, 6, 20, 21], spec)
+    spec_row.num_generated = 2
+    chunk = _decode(spec_row, drafts=(9, 40))  # rows at positions 2, 3, 4: the draft 9 is before rows 1 and 2
+    out = proc.apply(_logits(3, seed=9), [(chunk, r) for r in range(3)], [2, 3, 4])
+    assert not torch.isinf(out).any()
+
+
+def test_a_reasoning_budget_without_its_end_token_is_refused() -> None:
+    with pytest.raises(RequestError, match="reasoning_end"):
+        sampling_spec(SamplingParams(reasoning_budget=4))
+    spec = sampling_spec(SamplingParams(seed=1, reasoning_budget=4, reasoning_end=7))
+    assert (spec.reasoning_budget, spec.reasoning_end, spec.processed) == (4, 7, True)

@@ -410,3 +410,53 @@ def test_ngram_speculation_matches_plain_decoding(loaded: LoadedModel, device: s
                       speculative_tokens=4, speculative_method="ngram", speculative_policy=policy)
         assert run_to_completion(spec, requests()) == expected
         assert spec.spec_drafted > spec.spec_accepted > 0 and spec.stats().free_blocks == 32
+
+
+# --- the reasoning budget ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_with_budget_3_the_4th_output_token_is_the_end_of_thinking_token(loaded: LoadedModel, overlap: bool,
+                                                                         device: str) -> None:
+    """The end token is one the plain run never makes: the budget forces it at output position 3, then the run
+    goes on free (the 5th token is the model's own again). An end token the model makes itself within the budget
+    is not forced a second time. On a GPU the batched sampler and the device-side check of the output counts."""
+    engine = Engine(loaded, device=device, dtype=torch.float32, kv_blocks=32)
+    engine.overlap = overlap
+    base = {"temperature": 0, "ignore_eos": True}
+    plain = run_to_completion(engine, [EngineRequest("p", PROMPTS[0], SamplingParams(**base), 8)])["p"]
+    end = next(t for t in range(10, CONFIG["vocab_size"]) if t not in plain)
+    budget = SamplingParams(**base, reasoning_budget=3, reasoning_end=end)
+    got = run_to_completion(engine, [EngineRequest("b", PROMPTS[0], budget, 8)])["b"]
+    assert got[:3] == plain[:3] and got[3] == end and got.count(end) == 1
+    assert got[4] == int(prompt_logits(engine, PROMPTS[0] + got[:4]).argmax())
+    own = replace(budget, reasoning_end=plain[1])  # the model closes its reasoning itself at position 1
+    assert run_to_completion(engine, [EngineRequest("o", PROMPTS[0], own, 8)])["o"] == plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_the_reasoning_budget_counts_across_the_hand_over(loaded: LoadedModel, temperature: float) -> None:
+    """Prefill samples position 0; the decode engine, from output_offset 1, forces the end at the same position
+    as one engine running the whole request (budget 2: the 3rd token)."""
+    prompt = PROMPTS[1]
+    probe = SamplingParams(temperature=temperature, seed=5, ignore_eos=True)
+    plain = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
+                              [EngineRequest("p", prompt, probe, 6)])["p"]
+    end = next(t for t in range(10, CONFIG["vocab_size"]) if t not in plain)
+    sampling = replace(probe, reasoning_budget=2, reasoning_end=end)
+    one = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
+                            [EngineRequest("r", prompt, sampling, 6)])["r"]
+    assert one[2] == end and one.count(end) == 1
+    prefill = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    first = run_to_completion(prefill, [EngineRequest("r", prompt, sampling, 1, hold_kv=True)])["r"]
+    blobs = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
+    prefill.release("r")
+    decode = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    rest = run_to_completion(decode, [EngineRequest("r", prompt + first, sampling, 5, output_offset=1,
+                                                    prefix_blocks=blobs, prefix_tokens=len(prompt))])["r"]
+    assert first + rest == one
+    # a migration after the end was forced: the continuation's output (in its prompt) already holds it
+    cont = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
+                             [EngineRequest("m", prompt + one[:4], sampling, 2, output_offset=4)])["m"]
+    assert one[:4] + cont == one

@@ -266,3 +266,24 @@ def test_ignore_eos_goes_on_past_the_end_of_sentence(ignore_eos: bool, content: 
     body = orjson.loads(p.body())
     assert body["choices"][0]["message"]["content"].replace("<eos>", "") == content
     assert body["usage"]["completion_tokens"] == count
+
+
+# --- the reasoning budget (thinking.budget_tokens) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api, body", [
+    ("messages", {"max_tokens": 100, "messages": [USER], "thinking": {"type": "enabled", "budget_tokens": 50}}),
+    ("chat", {"max_tokens": 100, "messages": [USER], "thinking": {"type": "enabled", "budget_tokens": 50}}),
+])
+def test_budget_tokens_reaches_the_engine_as_a_forced_end_of_thinking(api: str, body: dict[str, Any]) -> None:
+    prepared = convert(api, {"model": "DeepSeek-V4-Pro", **body}, OPTIONS)
+    assert prepared.inference.reasoning_budget == 50
+    sp = sampling_params(prepared.inference, 100, 1, [2], reasoning_end=7)
+    assert (sp.reasoning_budget, sp.reasoning_end) == (50, 7)
+    # a budget the answer cannot reach, or no end token to force (no thinking): nothing is forced
+    for max_tokens, end in ((50, 7), (100, None)):
+        sp = sampling_params(prepared.inference, max_tokens, 1, [2], reasoning_end=end)
+        assert (sp.reasoning_budget, sp.reasoning_end) == (-1, -1)
+    off = convert(api, {"model": "DeepSeek-V4-Pro", **body, "thinking": {"type": "disabled", "budget_tokens": 50}},
+                  OPTIONS)
+    assert off.inference.reasoning_budget is None  # no reasoning, no budget

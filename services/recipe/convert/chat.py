@@ -193,6 +193,7 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     if req.response_format is not None and any(t.strict for t in tools):
         raise ConversionError("response_format should not be used with tools")
     sampling = _sampling(req, stop, thinking, options)
+    sampling.reasoning_budget = req.thinking.budget_tokens if req.thinking else None
     common.refuse_media(_first_media(req.messages), req.model)
     messages = [m for m in messages if m.role != "system" or m.content]  # empty system messages say nothing
     conv = common.conversation(messages, tools, choice, thinking, req.reasoning_effort, fmt)
@@ -235,8 +236,7 @@ def _stops(value: list[str] | str | None) -> list[str]:
 
 
 def _sampling(req: ChatCompletionRequest, stop: list[str], thinking: bool, options: ConvertOptions) -> common.Sampling:
-    if req.n is not None and req.n != 1:
-        raise ConversionError("Invalid n value (currently only n = 1 is supported)")
+    common.check_choices("n", req.n)  # (the reference serves n = 1 only: a deviation, tests/oracle/conftest.py)
     for name in ("presence_penalty", "frequency_penalty"):
         common.check_range(name, getattr(req, name), -2.0, 2.0, "[-2, 2]")
     common.check_range("temperature", req.temperature, 0.0, 2.0, "[0, 2]")
@@ -252,7 +252,7 @@ def _sampling(req: ChatCompletionRequest, stop: list[str], thinking: bool, optio
     common.check_seed(req.seed)
     return common.Sampling(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-        logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, stop=stop,
+        logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, stop=stop, n=req.n or 1,
     )
 
 

@@ -30,6 +30,7 @@ EFFORTS: dict[str, ReasoningEffort] = {
     "minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "xhigh", "ultra": "max", "max": "max",
 }
 SEED_LIMIT = 1 << 63
+MAX_CHOICES = 16  # n, best_of: each choice is one more generation of the whole answer
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
+    reasoning_budget: int | None = None  # thinking.budget_tokens; kept only in thinking mode
+    n: int = 1  # choices (recipe/fanout.py)
 
 
 def thinking_mode(requested: bool | None, effort: str | None, options: ConvertOptions, encoding: Encoding) -> bool:
@@ -74,6 +77,12 @@ def check_top_p(value: float | None) -> None:
 def check_max_tokens(value: int | None, bound: int) -> None:
     if value is not None and not 1 <= value <= bound:
         raise ConversionError(f"Invalid max_tokens value, the valid range of max_tokens is [1, {bound}]")
+
+
+def check_choices(name: str, value: int | None) -> None:
+    """n and best_of: how many choices one request may generate (each is a whole generation)."""
+    if value is not None and not 1 <= value <= MAX_CHOICES:
+        raise FieldRefusal(f"Invalid {name} value, the valid range of {name} is [1, {MAX_CHOICES}]", name)
 
 
 def check_seed(value: int | None) -> None:
@@ -251,6 +260,8 @@ def prepared(
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
         output_constraint=output_constraint(conv, schema_text),
+        reasoning_budget=sampling.reasoning_budget if conv.thinking else None,
+        n=sampling.n, best_of=sampling.n,
     )
     return PreparedRequest(
         api=api, model=model, encoding=encoding, stream=stream, include_usage=include_usage, conversation=conv,

@@ -8,7 +8,7 @@ reference makes comes first and a request it refuses is still refused in its wor
                responses: `include: ["message.output_text.logprobs"]` asks for logprobs (OpenAI's way; the
                reference reports them for `top_logprobs` alone, and so do we)
                (logprobs / top_logprobs themselves are the converters': the reference reads them)
-    refused    a field of REFUSED[api] sent with a value that is not its neutral one (penalty 0, n 1,
+    refused    a field of REFUSED[api] sent with a value that is not its neutral one (penalty 0,
                prompt_logprobs none are neutral): a 400 naming the field (FieldRefusal, the OpenAI error's `param`)
     harmless   everything else, read and ignored like the reference does (user, metadata, store,
                service_tier, parallel_tool_calls, stream_options.continuous_usage_stats) or unknown

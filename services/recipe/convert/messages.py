@@ -205,7 +205,10 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
         bound = options.max_tokens_bound(thinking)
         max_tokens = min(max_tokens, bound)  # too large is lowered to the bound; 0 is refused
         common.check_max_tokens(max_tokens, bound)
-    sampling = common.Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop)
+    # budget_tokens is read as the reference reads it (any value; Anthropic's own bound, >= 1024 and below
+    # max_tokens, is not checked): it closes the reasoning after that many tokens (service.sampling_params)
+    sampling = common.Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop,
+                               reasoning_budget=req.thinking.budget_tokens if req.thinking else None)
     common.refuse_media(_first_media(req.messages), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, cv.TEXT)
     return common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))

@@ -53,11 +53,16 @@ class ChatEmitter:
 
     def __init__(
         self, response_id: str, model: str, created: int, *, thinking: bool, stream: bool, include_usage: bool,
-        reasoning_first: bool = True,
+        reasoning_first: bool = True, choice: int | None = None,
     ) -> None:
         """`thinking`: thinking mode (reasoning fields and usage); `reasoning_first`: the turn starts in
-        reasoning (not a continued answer)."""
+        reasoning (not a continued answer). `choice`: this stream is choice `choice` of several (n > 1,
+        recipe/fanout.py): its chunks carry that index, its final chunk no usage and no `[DONE]` follows it (the
+        fan-out sends the request's usage, `closing`, and `[DONE]` once every choice is done)."""
         self._id, self._model, self._created = response_id, model, created
+        self._choice = choice
+        if choice is not None:
+            self.done_frame = b""
         self._thinking = thinking
         self._has_reasoning = thinking and reasoning_first
         self._stream = stream
@@ -80,7 +85,7 @@ class ChatEmitter:
     def _prebuild(self) -> None:
         head = {"id": self._id, "object": "chat.completion.chunk", "created": self._created, "model": self._model,
                 "system_fingerprint": self._fingerprint}
-        self._head = dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
+        self._head = dumps(head)[:-1] + b',"choices":[{"index":%d,"delta":' % (self._choice or 0)
         self._lp_tail = b',"finish_reason":null}]' + (b',"usage":null}' if self._usage_key else b"}")
         self._tail = b',"logprobs":null' + self._lp_tail
         null = b',"reasoning_content":null}' if self._thinking else b"}"
@@ -147,9 +152,25 @@ class ChatEmitter:
             delta["reasoning_content"] = None
         chunk = {"id": self._id, "object": "chat.completion.chunk", "created": self._created, "model": self._model,
                  "system_fingerprint": self._fingerprint,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": _FINISH[finish.reason]}],
+                 "choices": [{"index": self._choice or 0, "delta": delta, "logprobs": None,
+                              "finish_reason": _FINISH[finish.reason]}],
                  "usage": usage_json(usage, self._thinking)}
+        if self._choice is not None:  # the request's usage comes once, after every choice (closing)
+            if self._usage_key:
+                chunk["usage"] = None
+            else:
+                del chunk["usage"]
         return [(None, dumps(chunk))]
+
+    def usage_object(self, usage: Usage) -> dict[str, Any]:
+        return usage_json(usage, self._thinking)
+
+    def closing(self, usage: Usage) -> list[StreamEvent]:
+        """After the last choice of several: the request's usage in a chunk of its own (no choices), as OpenAI
+        sends it; always, as a single stream always carries its usage on its final chunk."""
+        return [(None, dumps({"id": self._id, "object": "chat.completion.chunk", "created": self._created,
+                              "model": self._model, "system_fingerprint": self._fingerprint, "choices": [],
+                              "usage": usage_json(usage, self._thinking)}))]
 
     def body(self) -> bytes:
         assert self._finish is not None, "body() before finish()"

@@ -32,9 +32,14 @@ class CompletionsEmitter:
     done_frame = DONE_FRAME
 
     def __init__(self, response_id: str, model: str, created: int, *, stream: bool, include_usage: bool,
-                 logprobs: bool = False) -> None:
-        """`logprobs`: the request asked for them (the response then has a `logprobs` object, empty or not)."""
+                 logprobs: bool = False, choice: int | None = None) -> None:
+        """`logprobs`: the request asked for them (the response then has a `logprobs` object, empty or not).
+        `choice`: this stream is choice `choice` of several (n > 1, recipe/fanout.py): its chunks carry that
+        index and no usage chunk nor `[DONE]` follows its end (the fan-out's `closing` comes after every choice)."""
         self._id, self._model, self._created = response_id, model, created
+        self._choice = choice
+        if choice is not None:
+            self.done_frame = b""
         self._stream = stream
         self._include_usage = include_usage
         self._text: list[str] = []
@@ -43,7 +48,7 @@ class CompletionsEmitter:
         self._finish: Finish | None = None
         self._usage = Usage()
         self._head = dumps({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                            "system_fingerprint": None})[:-1] + b',"choices":[{"index":0,"text":'
+                            "system_fingerprint": None})[:-1] + b',"choices":[{"index":%d,"text":' % (choice or 0)
         self._lp_tail = b',"finish_reason":null}]' + (b',"usage":null}' if include_usage else b"}")
         self._tail = b',"logprobs":null' + self._lp_tail
 
@@ -74,11 +79,18 @@ class CompletionsEmitter:
         self._finish, self._usage = finish, usage
         if not self._stream:
             return []
-        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": _FINISH[finish.reason]}
+        choice = {"index": self._choice or 0, "text": "", "logprobs": None, "finish_reason": _FINISH[finish.reason]}
         out = [self._chunk([choice])]
-        if self._include_usage:
-            out.append(self._chunk([], usage_json(usage)))
+        if self._include_usage and self._choice is None:
+            out += self.closing(usage)
         return out
+
+    def usage_object(self, usage: Usage) -> dict[str, Any]:
+        return usage_json(usage)
+
+    def closing(self, usage: Usage) -> list[StreamEvent]:
+        """The usage chunk (no choices) that ends a stream, when the client asked for it."""
+        return [self._chunk([], usage_json(usage))] if self._include_usage else []
 
     def body(self) -> bytes:
         assert self._finish is not None, "body() before finish()"

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Union
 
-from services.recipe.emit.base import Emitter, Finish, FinishReason, StreamEvent, Usage, sse
+from services.recipe.emit.base import DONE_FRAME, Emitter, Finish, FinishReason, StreamEvent, Usage, sse
 from services.recipe.emit.chat import ChatEmitter
 from services.recipe.emit.completions import CompletionsEmitter
 from services.recipe.emit.logprobs import LogprobTrack
@@ -69,26 +69,27 @@ class End:
 Chunk = Union[Ready, Tokens, Text, End]
 
 
-def _chat(p: PreparedRequest, rid: str, created: int, thinking: bool) -> Emitter:
+def _chat(p: PreparedRequest, rid: str, created: int, thinking: bool, choice: int | None) -> Emitter:
     return ChatEmitter(rid, p.model, created, thinking=thinking, stream=p.stream, include_usage=p.include_usage,
-                       reasoning_first=p.parsing.thinking_initial_stage != "content_continuation")
+                       reasoning_first=p.parsing.thinking_initial_stage != "content_continuation", choice=choice)
 
 
-def _messages(p: PreparedRequest, rid: str, created: int, thinking: bool) -> Emitter:
+def _messages(p: PreparedRequest, rid: str, created: int, thinking: bool, choice: int | None) -> Emitter:
     return MessagesEmitter(rid, p.model, thinking=thinking, stream=p.stream, signature=p.extra.get("signature"))
 
 
-def _responses(p: PreparedRequest, rid: str, created: int, thinking: bool) -> Emitter:
+def _responses(p: PreparedRequest, rid: str, created: int, thinking: bool, choice: int | None) -> Emitter:
     return ResponsesEmitter(rid, p.model, created, stream=p.stream, echo=p.echo,
                             namespaces=p.extra.get("namespace_tool_map"))
 
 
-def _completions(p: PreparedRequest, rid: str, created: int, thinking: bool) -> Emitter:
+def _completions(p: PreparedRequest, rid: str, created: int, thinking: bool, choice: int | None) -> Emitter:
     return CompletionsEmitter(rid, p.model, created, stream=p.stream, include_usage=p.include_usage,
-                              logprobs=p.inference.logprobs)
+                              logprobs=p.inference.logprobs, choice=choice)
 
 
-EMITTERS: dict[str, Callable[[PreparedRequest, str, int, bool], Emitter]] = {
+# (prepared, response id, created, thinking, choice: the index of one choice of several, None = the only one)
+EMITTERS: dict[str, Callable[[PreparedRequest, str, int, bool, int | None], Emitter]] = {
     "chat": _chat, "messages": _messages, "responses": _responses, "completions": _completions,
 }
 
@@ -102,10 +103,12 @@ class OutputProcessor:
         created: int | None = None,
         tokens: TokenTable | None = None,
         count_tokens: Callable[[str], int] | None = None,
+        choice: int | None = None,
     ) -> None:
         """`response_id`: the id the client sees (e.g. "chatcmpl-<rid>"; Responses items derive theirs from it).
         `tokens`: the model's token table, for Tokens chunks (None: Text chunks only). `count_tokens`: counts
-        the reasoning tokens for the usage (len of the tokenizer's encode)."""
+        the reasoning tokens for the usage (len of the tokenizer's encode). `choice`: the output is choice
+        `choice` of several (Chat and Completions n > 1: recipe/fanout.py merges them)."""
         plain = prepared.encoding == "chat_template" or prepared.api == "completions"
         self._thinking = not plain and prepared.parsing.thinking_initial_stage is not None
         self._spec, self._plain = prepared.parsing, plain
@@ -118,7 +121,7 @@ class OutputProcessor:
         self._eos = tokens.eos_ids if tokens is not None and not prepared.inference.ignore_eos else frozenset()
         self._count = count_tokens
         created = int(time.time()) if created is None else created
-        self._emitter = EMITTERS[prepared.api](prepared, response_id, created, self._thinking)
+        self._emitter = EMITTERS[prepared.api](prepared, response_id, created, self._thinking, choice)
         self.usage = Usage()
         self._started = False
         self.done = False
@@ -184,6 +187,14 @@ class OutputProcessor:
     def body(self) -> bytes:
         """The complete (non-streaming) response; only once done."""
         return self._emitter.body()
+
+    def usage_object(self, usage: Usage) -> dict:
+        """`usage` in this API's response shape (Chat and Completions: what a fan-out's merged response carries)."""
+        return self._emitter.usage_object(usage)  # type: ignore[attr-defined]
+
+    def closing_frames(self, usage: Usage) -> list[bytes]:
+        """What ends a stream of several choices, after the last one: its usage chunk and the closing frame."""
+        return [*sse(self._emitter.closing(usage)), DONE_FRAME]  # type: ignore[attr-defined]
 
     # --- internals -------------------------------------------------------------------------------------------
 
