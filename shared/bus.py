@@ -112,12 +112,20 @@ class Subscription:
         await self._sub.unsubscribe()
 
 
+async def _nothing_to_settle() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Envelope:
-    """Delivery metadata a handler may need besides the decoded message."""
+    """Delivery metadata a handler may need besides the decoded message. `handed_on`, for a work queue's job:
+    acknowledge it now, before the handler returns, because the job lives on elsewhere (prefill handed the
+    request to decode): a death after this must not have the server redeliver it to run again, and a failure
+    after it is logged, not redelivered. A no-op for other messages, and after the first call."""
 
     subject: str
     trace: tracing.Context
+    handed_on: Callable[[], Awaitable[None]] = _nothing_to_settle
 
 
 class Bus:
@@ -546,23 +554,41 @@ class WorkQueue:
             self._slots.release()
 
     async def _process(self, msg: Msg) -> None:
+        settled = False
+
+        async def handed_on() -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                await msg.ack()
+
         try:
             with tracing.handling(f"{self._bus.name} {msg.subject}", msg.headers, SpanKind.CONSUMER):
                 losses = self._bus.losses
                 try:
                     message = codec.decode(self._type, msg.data)
-                    await self._handler(message, Envelope(msg.subject, tracing.current()))
+                    await self._handler(message, Envelope(msg.subject, tracing.current(), handed_on))
                 except (codec.SchemaError, Reject) as exc:
                     log.warning("terminating work message on %s: %s", msg.subject, exc)
-                    await msg.term()
+                    if not settled:
+                        await msg.term()
                 except Retry as exc:
+                    if settled:  # a handler bug: nothing is left here to try again
+                        log.error("work handler on %s asked to retry after handing the job on: %s", msg.subject, exc)
+                        return
                     log.info("retrying work message on %s in %.1fs: %s", msg.subject, exc.delay, exc)
                     await msg.nak(delay=exc.delay)
                 except Exception as exc:
-                    self._bus.handler_failed(f"work handler on {msg.subject} failed (redelivering)", exc, losses)
-                    await msg.nak(delay=1.0)
+                    if settled:  # the job lives on elsewhere: what failed here was its aftermath (e.g. a store)
+                        self._bus.handler_failed(f"work handler on {msg.subject} failed after handing on", exc,
+                                                 losses)
+                    else:
+                        self._bus.handler_failed(f"work handler on {msg.subject} failed (redelivering)", exc,
+                                                 losses)
+                        await msg.nak(delay=1.0)
                 else:
-                    await msg.ack()
+                    if not settled:
+                        await msg.ack()
         except Exception as exc:  # ack/nak on a closed connection: the message will be redelivered
             log.debug("could not settle work message: %s", exc)
 

@@ -102,6 +102,10 @@ class PrefillService(EngineWorker):
                 self.handovers.open(req.request_id, hashes, req.migration)
                 await self._hand_over(req, token, hashes, self._snapshot_key(prompt, ns, hashes),
                                       first.num_cached_tokens, self.handovers.lease_s, event.logprobs)
+                # the request is decode's now: this worker dying during the export or the store must not have the
+                # job redelivered to its restart, to run again for a request that has moved on (and, its hand-over
+                # deduplicated, to hold KV nobody pulls)
+                await env.handed_on()
                 await self.publish_tokens(event, env)
                 exported = await self._export(req.request_id, len(prompt))
         except BaseException:

@@ -127,6 +127,34 @@ async def test_work_queue_ack_retry_reject(nats_url: str) -> None:
     assert all(trace_id in p for p in parents)
 
 
+async def test_a_job_handed_on_is_never_redelivered_whatever_happens_after(nats_url: str) -> None:
+    """Prefill hands its request to decode, then stores the prompt's KV: a failure or the worker's death during
+    the store must not have the server redeliver the job (it would run again for a request that moved on)."""
+    bus = await Bus.connect(nats_url, "t")
+    runs: dict[int, int] = {}
+    handed = asyncio.Event()
+
+    async def handle(p: Ping, env: Envelope) -> None:
+        runs[p.n] = runs.get(p.n, 0) + 1
+        await env.handed_on()
+        await env.handed_on()  # a second call is a no-op
+        if p.n == 1:
+            raise RuntimeError("the store failed after the hand-over")
+        handed.set()
+        await asyncio.sleep(3600)  # n == 2: the worker "dies" here, its queue stopped under it
+
+    q = await bus.work_queue("work.test.handed", "test-handed", Ping, handle, ack_wait=1.0)
+    for n in (1, 2):
+        await bus.submit("work.test.handed", Ping(n), msg_id=f"handed-{n}")
+    await asyncio.wait_for(handed.wait(), 10)
+    await q.stop()
+    again = await bus.work_queue("work.test.handed", "test-handed", Ping, handle, ack_wait=1.0)
+    await asyncio.sleep(2.5)  # past the ack wait: an unacknowledged job would be back by now
+    await again.stop()
+    await bus.drain()
+    assert runs == {1: 1, 2: 1}
+
+
 async def test_key_value_bucket_typed_shared_and_retimed(nats_url: str) -> None:
     first, second = await Bus.connect(nats_url, "a"), await Bus.connect(nats_url, "b")
     try:
