@@ -30,7 +30,7 @@ class ToolSpec:
 
 @dataclass(frozen=True)
 class OutputConstraint:
-    kind: Literal["json", "regex", "grammar", "tool_call", "tool_call_required"]
+    kind: Literal["json", "regex", "grammar", "tool_call", "tool_call_required", "tool_call_any"]
     schema: str  # compact JSON schema, regex, EBNF grammar (vLLM's), tool list JSON, or "" for any JSON value
 
 

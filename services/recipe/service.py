@@ -243,7 +243,8 @@ class RecipeService:
         check_min_tokens(prepared, max_tokens)
         check_logit_bias(prepared, model.vocab_size)
         structured.check(prepared)
-        structured.wire(prepared, _end_think(model))  # (a FieldRefusal now rather than at launch)
+        # (a FieldRefusal now rather than at launch)
+        structured.wire(prepared, _end_think(model), model.tokenizer.token_id)
         return prepared, model, prompt_ids, max_tokens
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensReply:
@@ -278,7 +279,7 @@ class RecipeService:
             seed = inference.seed if inference.seed is not None else secrets.randbits(SEED_BITS)
             created = int(time.time())
         sampling = sampling_params(inference, max_tokens, seed, model.tokenizer.eos_ids,
-                                   structured.wire(prepared, _end_think(model)))
+                                   structured.wire(prepared, _end_think(model), model.tokenizer.token_id))
         processor = OutputProcessor(
             prepared, response_id=_response_id(req, prepared), created=created, tokens=model.tokens,
             count_tokens=model.count_tokens,
