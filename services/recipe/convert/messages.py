@@ -11,7 +11,7 @@ the reference: image and document blocks are refused (we serve text-only models)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.recipe import conversation as cv
@@ -208,7 +208,18 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     sampling = common.Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop)
     common.refuse_media(_first_media(req.messages), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, cv.TEXT)
-    return common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))
+    prepared = common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))
+    return _must_call(prepared) if req.tool_choice and req.tool_choice[0] == "any" else prepared
+
+
+def _must_call(prepared: PreparedRequest) -> PreparedRequest:
+    """"any": the prompt is the reference's "auto" one, but the output must be a call (its grammar opens the block
+    itself, structured.py)."""
+    oc = prepared.inference.output_constraint
+    if oc is None or oc.kind != "tool_call":
+        return prepared
+    inference = replace(prepared.inference, output_constraint=replace(oc, kind="tool_call_any"))
+    return replace(prepared, inference=inference)
 
 
 def _first_media(messages: list[tuple[str, Any]]) -> str | None:
