@@ -32,6 +32,7 @@ class ToolSpec:
 class OutputConstraint:
     kind: Literal["json", "regex", "grammar", "tool_call", "tool_call_required", "tool_call_any"]
     schema: str  # compact JSON schema, regex, EBNF grammar (vLLM's), tool list JSON, or "" for any JSON value
+    one_call: bool = False  # tool calls: at most one per answer (parallel_tool_calls false)
 
 
 @dataclass(frozen=True)

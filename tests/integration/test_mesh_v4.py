@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 
@@ -258,3 +259,59 @@ def test_after_a_restart_prefill_restores_the_prompt_from_the_kvcache_service(me
         assert [reply.choices[0].message.content] == ANSWERS
     finally:
         again.stop()
+
+
+# --- tool calls under a grammar (random weights: only the constraint makes them calls) --------------------------
+
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+FORCED = [{"type": "function", "function": {"name": "forecast", "parameters": BOUNDED, "strict": True}},
+          {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
+
+
+def _calls_validate(calls: list[tuple[str, str]], names: set[str]) -> None:
+    assert calls
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(json.loads(arguments), BOUNDED)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "forecast"}}],
+                         ids=["required", "named"])
+@pytest.mark.parametrize("mode", [MODES["greedy"], MODES["seeded"]], ids=["greedy", "seeded"])
+def test_a_forced_tool_call_parses_and_validates_streaming_and_not(oai: openai.OpenAI, choice: Any,
+                                                                    mode: dict[str, Any]) -> None:
+    tools = FORCED[:1] if choice == "required" else FORCED
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+           "tool_choice": choice, "max_tokens": 400, "temperature": 0.0, **mode}
+    reply = oai.chat.completions.create(**ask).choices[0]
+    assert reply.finish_reason == "tool_calls", reply.message
+    calls = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls]
+    _calls_validate(calls, {"forecast"})
+    streamed: dict[int, list[str]] = {}
+    for chunk in oai.chat.completions.create(**ask, stream=True):
+        for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            parts = streamed.setdefault(call.index, ["", ""])
+            parts[0] += (call.function.name or "") if call.function else ""
+            parts[1] += (call.function.arguments or "") if call.function else ""
+    assert [tuple(p) for _, p in sorted(streamed.items())] == calls  # the same tokens, any chunking
+
+
+def test_anthropic_any_and_auto_with_thinking(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    tools = [{"name": "forecast", "description": "Forecast.", "input_schema": BOUNDED}]
+    ask = {"model": MODEL, "max_tokens": 400, "tools": tools, "tool_choice": {"type": "any"},
+           "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    reply = claude.messages.create(**ask, extra_body={"temperature": 0, **NO_THINKING})
+    uses = [b for b in reply.content if b.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and uses
+    _calls_validate([(u.name, json.dumps(u.input)) for u in uses], {"forecast"})
+    # thinking (V4's default): the reasoning stays free, and the answer after it is text or a call that validates
+    auto = {"model": MODEL, "messages": ask["messages"], "tools": FORCED[:1], "max_tokens": 60, "seed": 5}
+    message = oai.chat.completions.create(**auto).choices[0].message
+    assert reasoning_of(message) or message.content or message.tool_calls
+    for call in message.tool_calls or []:
+        _calls_validate([(call.function.name, call.function.arguments)], {"forecast"})
+    with pytest.raises(openai.BadRequestError, match="forecast"):
+        oai.chat.completions.create(**{**auto, "tools": [{"type": "function", "function": {
+            "name": "forecast", "parameters": {"type": "object", "properties": {"q": {"type": "integer", "minimum": 5, "maximum": 1}}}}}]})

@@ -164,3 +164,24 @@ def test_each_tool_choice_becomes_its_constraint() -> None:
     one = constraint("messages", {**claude, "thinking": {"type": "disabled"},
                                   "tool_choice": {"type": "tool", "name": "get_weather"}})
     assert invoked(one) == ["get_weather"] and one.after_token == -1
+
+
+def test_without_parallel_tool_calls_one_call_is_all(grammars: Grammars, v4: Tokenizer) -> None:
+    def takes(c: Constraint | None, output: str) -> bool:
+        assert c is not None
+        grammars.add("p", c, sorted(v4.eos_ids), [])
+        state = grammars.states["p"]
+        try:
+            return all(state.advance(t) for t in v4.encode(output)) and state.advance(min(v4.eos_ids))
+        finally:
+            grammars.drop("p")
+
+    opened = FORMATS["v4"].tags.open_block()
+    one, two = (rendered_block("v4", calls).removeprefix(opened) for calls in ([GOOD], [GOOD, GOOD]))
+    body = {"messages": ASK, "tools": OAI, "tool_choice": "required", "thinking": {"type": "disabled"}}
+    assert takes(constraint("chat", body), one) and takes(constraint("chat", body), two)
+    single = constraint("chat", {**body, "parallel_tool_calls": False})
+    assert takes(single, one) and not takes(single, two)
+    claude = {"max_tokens": 9, "messages": ASK, "tools": [{"name": "get_weather", "input_schema": WEATHER.parameters}],
+              "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "thinking": {"type": "disabled"}}
+    assert not takes(constraint("messages", claude), opened + two) and takes(constraint("messages", claude), opened + one)

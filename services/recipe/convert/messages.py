@@ -16,7 +16,7 @@ from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message
-from services.recipe.convert import common
+from services.recipe.convert import common, structured
 from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.serde import (
     F32,
@@ -209,7 +209,11 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     common.refuse_media(_first_media(req.messages), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, cv.TEXT)
     prepared = common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))
-    return _must_call(prepared) if req.tool_choice and req.tool_choice[0] == "any" else prepared
+    if req.tool_choice and req.tool_choice[0] == "any":
+        prepared = _must_call(prepared)
+    settings = req.tool_choice[1] if req.tool_choice else None
+    no_parallel = bool(settings and settings.get("disable_parallel_tool_use"))
+    return structured.one_call(prepared, False if no_parallel else None)
 
 
 def _must_call(prepared: PreparedRequest) -> PreparedRequest:

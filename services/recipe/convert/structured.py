@@ -164,6 +164,15 @@ def wire(prepared: PreparedRequest, end_think: int | None,
     return Constraint(kind, oc.schema, after)  # type: ignore[arg-type]
 
 
+def one_call(prepared: PreparedRequest, parallel: bool | None) -> PreparedRequest:
+    """`prepared` whose tool calls are at most one when the client said so (parallel_tool_calls false, Anthropic's
+    disable_parallel_tool_use true: `parallel` False)."""
+    oc = prepared.inference.output_constraint
+    if parallel is not False or oc is None or oc.kind not in TOOL_MODES:
+        return prepared
+    return replace(prepared, inference=replace(prepared.inference, output_constraint=replace(oc, one_call=True)))
+
+
 def _tool_calls(prepared: PreparedRequest, mode: Mode, after: int,
                 token_id: Callable[[str], int | None] | None) -> Constraint | None:
     """A tool choice's constraint: the format's call markup with each tool's arguments (None where the format has
@@ -174,5 +183,7 @@ def _tool_calls(prepared: PreparedRequest, mode: Mode, after: int,
         return None
     others = (token_id(t) for t in CONTROL_TOKENS if t != DSML)
     excludes = sorted({i for i in others if i is not None})
-    spec = dsml_grammar.structural_tag(fmt.tags, prepared.conversation.tools, mode, dsml_id, excludes)
+    oc = prepared.inference.output_constraint
+    parallel = oc is None or not oc.one_call
+    spec = dsml_grammar.structural_tag(fmt.tags, prepared.conversation.tools, mode, dsml_id, excludes, parallel)
     return Constraint("structural_tag", spec, after)

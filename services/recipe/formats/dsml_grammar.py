@@ -2,7 +2,7 @@
 `tool_choice` constrains the output to (shared/engine/grammar.py compiles and enforces it).
 
     required / named   the prompt already opened the block (V4.prompt: Tags.open_block):
-                       invoke ("\n" invoke)* "\n</｜DSML｜tool_calls>"
+                       invoke ("\n" invoke)* "\n</｜DSML｜tool_calls>"   (one invoke without parallel_tool_calls)
     must call          (Anthropic "any": the prompt is the reference's "auto" one) the block, then as above
     auto               any text; once "｜DSML｜" comes, the rest is one whole block, then the end
 
@@ -39,13 +39,15 @@ _JSON_WHITESPACE = 1  # at most one blank in a row inside a JSON value (a small 
 
 
 def structural_tag(tags: Tags, tools: Sequence[ToolSpec], mode: Mode, dsml_id: int,
-                   text_excludes: Sequence[int] = ()) -> str:
+                   text_excludes: Sequence[int] = (), parallel: bool = True) -> str:
     """The structural tag (JSON text) for these tools. `dsml_id`: the id of the `｜DSML｜` token;
-    `text_excludes`: token ids that free text (auto) may not contain (the format's other control tokens)."""
+    `text_excludes`: token ids that free text (auto) may not contain (the format's other control tokens);
+    `parallel`: more than one call may follow (parallel_tool_calls), else exactly one."""
     m = _Markup(tags, dsml_id)
     invokes = [_invoke(m, t) for t in tools]
     one = invokes[0] if len(invokes) == 1 else {"type": "or", "elements": invokes}
-    calls = _seq(one, {"type": "star", "content": _seq(_lit("\n"), one)}, _lit("\n"), *m.close(tags.block))
+    more = [{"type": "star", "content": _seq(_lit("\n"), one)}] if parallel else []
+    calls = _seq(one, *more, _lit("\n"), *m.close(tags.block))
     if mode == "required":
         fmt = calls
     elif mode == "must_call":
