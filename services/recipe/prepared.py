@@ -30,9 +30,12 @@ class ToolSpec:
 
 @dataclass(frozen=True)
 class OutputConstraint:
-    kind: Literal["json", "regex", "grammar", "tool_call", "tool_call_required", "tool_call_any"]
+    kind: Literal["json", "regex", "grammar", "tool_call", "tool_call_required"]
     schema: str  # compact JSON schema, regex, EBNF grammar (vLLM's), tool list JSON, or "" for any JSON value
-    one_call: bool = False  # tool calls: at most one per answer (parallel_tool_calls false)
+    # tool calls (not the reference's): at most one per answer (parallel_tool_calls false); a call must come though
+    # the prompt is auto's (Anthropic's "any", which the reference serves as "auto")
+    one_call: bool = False
+    must_call: bool = False
 
 
 @dataclass(frozen=True)

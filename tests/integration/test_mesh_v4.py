@@ -284,10 +284,11 @@ def test_a_forced_tool_call_parses_and_validates_streaming_and_not(oai: openai.O
                                                                     mode: dict[str, Any]) -> None:
     tools = FORCED[:1] if choice == "required" else FORCED
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
-           "tool_choice": choice, "max_tokens": 400, "temperature": 0.0, **mode}
+           "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0.0, **mode}
     reply = oai.chat.completions.create(**ask).choices[0]
     assert reply.finish_reason == "tool_calls", reply.message
     calls = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls]
+    assert len(calls) == 1  # parallel_tool_calls false: one call, whatever random weights would add
     _calls_validate(calls, {"forecast"})
     streamed: dict[int, list[str]] = {}
     for chunk in oai.chat.completions.create(**ask, stream=True):
@@ -300,11 +301,12 @@ def test_a_forced_tool_call_parses_and_validates_streaming_and_not(oai: openai.O
 
 def test_anthropic_any_and_auto_with_thinking(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
     tools = [{"name": "forecast", "description": "Forecast.", "input_schema": BOUNDED}]
-    ask = {"model": MODEL, "max_tokens": 400, "tools": tools, "tool_choice": {"type": "any"},
+    ask = {"model": MODEL, "max_tokens": 120, "tools": tools,
+           "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
            "messages": [{"role": "user", "content": "Weather in Paris?"}]}
     reply = claude.messages.create(**ask, extra_body={"temperature": 0, **NO_THINKING})
     uses = [b for b in reply.content if b.type == "tool_use"]
-    assert reply.stop_reason == "tool_use" and uses
+    assert reply.stop_reason == "tool_use" and len(uses) == 1
     _calls_validate([(u.name, json.dumps(u.input)) for u in uses], {"forecast"})
     # thinking (V4's default): the reasoning stays free, and the answer after it is text or a call that validates
     auto = {"model": MODEL, "messages": ask["messages"], "tools": FORCED[:1], "max_tokens": 60, "seed": 5}

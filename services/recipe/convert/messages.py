@@ -222,7 +222,7 @@ def _must_call(prepared: PreparedRequest) -> PreparedRequest:
     oc = prepared.inference.output_constraint
     if oc is None or oc.kind != "tool_call":
         return prepared
-    inference = replace(prepared.inference, output_constraint=replace(oc, kind="tool_call_any"))
+    inference = replace(prepared.inference, output_constraint=replace(oc, must_call=True))
     return replace(prepared, inference=inference)
 
 

@@ -139,9 +139,9 @@ def wire_kind(oc: OutputConstraint | None) -> str | None:
     return oc.kind if oc.kind in ("regex", "grammar") else None
 
 
-# the recipe's tool-call constraint kinds -> dsml_grammar's modes: "tool_call_required" (a required or named
-# choice: the prompt opened the block), "tool_call_any" (Anthropic's "any": a call must come, the prompt is auto's)
-TOOL_MODES: dict[str, Mode] = {"tool_call": "auto", "tool_call_required": "required", "tool_call_any": "must_call"}
+# the recipe's tool-call constraint kinds -> dsml_grammar's modes: "tool_call_required" is a required or named
+# choice (the prompt opened the block); "tool_call" is auto, or "must_call" with OutputConstraint.must_call
+TOOL_MODES: dict[str, Mode] = {"tool_call": "auto", "tool_call_required": "required"}
 
 
 def wire(prepared: PreparedRequest, end_think: int | None,
@@ -160,7 +160,7 @@ def wire(prepared: PreparedRequest, end_think: int | None,
                            "response_format")
     after = end_think if thinking and end_think is not None else -1
     if kind == "structural_tag":
-        return _tool_calls(prepared, TOOL_MODES[oc.kind], after, token_id)
+        return _tool_calls(prepared, "must_call" if oc.must_call else TOOL_MODES[oc.kind], after, token_id)
     return Constraint(kind, oc.schema, after)  # type: ignore[arg-type]
 
 
