@@ -277,9 +277,9 @@ def _calls_validate(calls: list[tuple[str, str]], names: set[str]) -> None:
         jsonschema.validate(json.loads(arguments), BOUNDED)
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "forecast"}}],
-                         ids=["required", "named"])
-@pytest.mark.parametrize("mode", [MODES["greedy"], MODES["seeded"]], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("choice, mode", [("required", MODES["greedy"]),
+                                          ({"type": "function", "function": {"name": "forecast"}}, MODES["seeded"])],
+                         ids=["required-greedy", "named-seeded"])
 def test_a_forced_tool_call_parses_and_validates_streaming_and_not(oai: openai.OpenAI, choice: Any,
                                                                     mode: dict[str, Any]) -> None:
     tools = FORCED[:1] if choice == "required" else FORCED

@@ -153,6 +153,10 @@ def test_each_tool_choice_becomes_its_constraint() -> None:
     assert invoked(auto) == ["get_weather", "log"] and auto.after_token == IDS[END_THINK]
     assert '"trigger_tokens"' in auto.spec
     assert constraint("chat", {"messages": ASK, "tools": OAI, "tool_choice": "none"}) is None
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    both = constraint("chat", {"messages": ASK, "tools": OAI, **off, "tool_choice": "required",
+                               "response_format": schema})
+    assert invoked(both) == ["get_weather", "log"]  # with a response_format the tool choice wins (as vLLM)
     responses = constraint("responses", {"input": "Weather?", "reasoning": {"effort": "none"},
                                          "tools": [{"type": "function", **o["function"]} for o in OAI],
                                          "tool_choice": {"type": "function", "name": "get_weather"}})
