@@ -96,6 +96,15 @@ def test_a_tool_without_properties_takes_any_parameters(grammars: Grammars, v4: 
     assert accepts(grammars, v4, "v4", "must_call", block, tools=(WEATHER, ANYTHING))
 
 
+def test_a_property_keeps_the_definitions_its_ref_points_into(grammars: Grammars, v4: Tokenizer) -> None:
+    place = {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"],
+             "additionalProperties": False}
+    tool = ToolSpec("goto", None, {"type": "object", "$defs": {"place": place},
+                                   "properties": {"to": {"$ref": "#/$defs/place"}}, "required": ["to"]})
+    assert accepts(grammars, v4, "v4", "must_call", rendered_block("v4", [("goto", {"to": {"lat": 1.5}})]), (tool,))
+    assert not accepts(grammars, v4, "v4", "must_call", rendered_block("v4", [("goto", {"to": {"lon": 1}})]), (tool,))
+
+
 def test_the_marker_is_its_token_never_its_spelling(grammars: Grammars, v4: Tokenizer) -> None:
     block = rendered_block("v4", [GOOD])
     ids = v4.encode(block)

@@ -86,16 +86,18 @@ def _arguments(m: _Markup, schema: Any) -> Format:
     if not isinstance(properties, dict) or not properties:
         return {"type": "star", "content": _any_parameter(m)}
     required = set(schema.get("required") or ())
+    # a property's schema is compiled on its own: it keeps the root's definitions its $refs point into
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     params = []
     for key, value in properties.items():
-        p = _parameter(m, key, value)
+        p = _parameter(m, key, {**defs, **value} if defs and isinstance(value, dict) else value)
         params.append(p if key in required else {"type": "optional", "content": p})
     return _seq(*params)
 
 
 def _parameter(m: _Markup, key: str, schema: Any) -> Format:
     tag = m.tags.parameter
-    string = _is_string(schema)
+    string = _is_string(schema)  # (a $ref to a string is written as JSON: string="false", a quoted string)
     value = _string_value(schema) if string else _json_value(schema)
     return _seq(*m.open(tag, f' name="{key}" string="{"true" if string else "false"}">'), value, *m.close(tag),
                 _lit("\n"))
