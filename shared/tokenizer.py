@@ -70,6 +70,12 @@ class Tokenizer:
         added = self.tk.get_added_tokens_decoder()
         return tuple(sorted({added[i].content for i in self.special_ids if i in added}, key=len, reverse=True))
 
+    @cached_property
+    def markup_ids(self) -> frozenset[int]:
+        """Added tokens that are not control tokens (DeepSeek's ｜DSML｜, </think>): markup the output parser reads
+        by id, while decode() shows their text."""
+        return frozenset(self.tk.get_added_tokens_decoder()) - self.special_ids
+
     def encode_marked(self, text: str, control_ranges: Sequence[tuple[int, int]]) -> list[int]:
         """`text` with exactly `control_ranges` (ascending [start, end) offsets, each one control token's
         spelling) read as control tokens and everything else as text, in ONE encode: the template's tokens split

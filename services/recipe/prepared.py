@@ -32,6 +32,10 @@ class ToolSpec:
 class OutputConstraint:
     kind: Literal["json", "regex", "grammar", "tool_call", "tool_call_required"]
     schema: str  # compact JSON schema, regex, EBNF grammar (vLLM's), tool list JSON, or "" for any JSON value
+    # tool calls (not the reference's): at most one per answer (parallel_tool_calls false); a call must come though
+    # the prompt is auto's (Anthropic's "any", which the reference serves as "auto")
+    one_call: bool = False
+    must_call: bool = False
 
 
 @dataclass(frozen=True)

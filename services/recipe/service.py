@@ -250,7 +250,8 @@ class RecipeService:
         check_min_tokens(prepared, max_tokens)
         check_logit_bias(prepared, model.vocab_size)
         structured.check(prepared)
-        structured.wire(prepared, _end_think(model))  # (a FieldRefusal now rather than at launch)
+        # (a FieldRefusal now rather than at launch)
+        structured.wire(prepared, _end_think(model), model.tokenizer.token_id)
         return prepared, model, prompt_ids, max_tokens
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensReply:
@@ -285,7 +286,8 @@ class RecipeService:
             seed = inference.seed if inference.seed is not None else secrets.randbits(SEED_BITS)
             created = int(time.time())
         sampling = sampling_params(inference, max_tokens, seed, model.tokenizer.eos_ids,
-                                   structured.wire(prepared, _end_think(model)), _budget_end(prepared, model))
+                                   structured.wire(prepared, _end_think(model), model.tokenizer.token_id),
+                                   _budget_end(prepared, model))
         # tenants never share cached prefixes; within one, only requests with the same cache_salt do
         salt = req.tenant if not prepared.cache_salt else f"{req.tenant}\x00{prepared.cache_salt}"
         if inference.best_of > 1:

@@ -535,7 +535,7 @@ def _served_vocabulary(model: str | ModelFiles | LoadedModel, files: ModelFiles 
             tk = served_tokenizer(files or resolve(model if isinstance(model, str) else loaded.name))
         except Exception as exc:  # no tokenizer to be found: no constrained decoding on this engine
             raise RequestError(f"constrained decoding needs the model's tokenizer: {exc}") from None
-        return vocabulary(tk.token_bytes, tk.is_special, tk.vocab_size)
+        return vocabulary(tk.token_bytes, tk.is_special, tk.vocab_size, tk.markup_ids)
 
     return load
 

@@ -21,13 +21,14 @@ constrained answer always ends with "stop" (or "length" when max_tokens comes fi
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -187,10 +188,15 @@ class Grammars:
                 grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             elif c.kind == "regex":
                 grammar = compiler.compile_regex(c.spec)
+            elif c.kind == "structural_tag":
+                grammar = compiler.compile_structural_tag(c.spec)
             else:
                 grammar = compiler.compile_grammar(c.spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse errors
-            raise RequestError(f"invalid {c.kind} constraint: {_first_line(exc)}") from None
+            tool = _failing_tool(compiler, c) if c.kind == "structural_tag" else None
+            where = f"tool {tool!r} has a parameter schema the grammar engine cannot use" if tool else \
+                f"invalid {c.kind} constraint"
+            raise RequestError(f"{where}: {_first_line(exc)}") from None
         self._compiled[key] = grammar
         if len(self._compiled) > COMPILED_CACHE:
             self._compiled.popitem(last=False)
@@ -219,6 +225,42 @@ def _first_line(exc: Exception) -> str:
     return _NATIVE_PREFIX.sub("", text[0]) if text else type(exc).__name__
 
 
-def vocabulary(token_bytes: Callable[[int], bytes], is_special: Callable[[int], bool], size: int) -> list[bytes]:
-    """Each token id's bytes for xgrammar (a RAW vocabulary); special tokens as b"": their text is no output."""
-    return [b"" if is_special(i) else token_bytes(i) for i in range(size)]
+def _failing_tool(compiler: xgr.GrammarCompiler, c: Constraint) -> str | None:
+    """The first part of a structural tag labelled {"tool": name} that does not compile alone (None: no such)."""
+    try:
+        spec = json.loads(c.spec)
+    except json.JSONDecodeError:
+        return None
+    for part in _labelled(spec):
+        try:
+            compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": part}))
+        except (RuntimeError, ValueError, TypeError):
+            return str(part["tool"])
+    return None
+
+
+def _labelled(node: object) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if "tool" in node:
+            yield node
+        else:
+            for value in node.values():
+                yield from _labelled(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _labelled(value)
+
+
+# An added token the output parser reads by id (DeepSeek's ｜DSML｜, </think>) is markup, not text: under a grammar
+# it may come only where the constraint names it by id ({"type": "token"} in a structural tag). Its bytes here start
+# with 0xFF, never valid UTF-8, so no literal or character class of a grammar matches it, and no run of ordinary
+# tokens can spell it (which the parser would read as text).
+MARKUP_PREFIX = b"\xff\xfe"
+
+
+def vocabulary(token_bytes: Callable[[int], bytes], is_special: Callable[[int], bool], size: int,
+               markup: Collection[int] = ()) -> list[bytes]:
+    """Each token id's bytes for xgrammar (a RAW vocabulary); special tokens as b"": their text is no output;
+    `markup` ids (added tokens that are not special) as MARKUP_PREFIX + the id."""
+    return [b"" if is_special(i) else MARKUP_PREFIX + str(i).encode() if i in markup else token_bytes(i)
+            for i in range(size)]

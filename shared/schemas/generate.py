@@ -5,19 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "structural_tag"]
 
 
 @dataclass(frozen=True)
 class Constraint:
     """What the output must match (grammar-constrained decoding, shared/engine/grammar.py): a JSON schema, any JSON
-    object (OpenAI's JSON mode), a regex, or an EBNF grammar (xgrammar's dialect, as vLLM's `grammar`).
+    object (OpenAI's JSON mode), a regex, an EBNF grammar (xgrammar's dialect, as vLLM's `grammar`), or an xgrammar
+    structural tag (JSON: a tool call's markup and arguments, services/recipe/formats/dsml_grammar.py; a part of it
+    may carry {"tool": name}, which xgrammar ignores, so a compile error can name the tool).
 
     With `after_token` >= 0 the output is free until that token is generated (the end-of-thinking marker of a
     reasoning model) and matches `spec` from the next token on: the reasoning itself is never constrained."""
 
     kind: ConstraintKind
-    spec: str = ""  # the compact JSON schema, the regex or the grammar; "" for json_object
+    spec: str = ""  # the compact JSON schema, the regex, the grammar or the structural tag; "" for json_object
     after_token: int = -1  # -1 = constrained from the first output token
 
 

@@ -3,7 +3,9 @@ checkpoint with the real vocabulary (129,280), a 4,096-token context and 128-tok
 
 Random weights say random things, so nothing here reads the text: only its structure, that the same greedy or
 seeded request gives the same tokens every way it is asked, and token counts, which must equal what
-deepseek-recipe (the oracle, see tests/oracle/) makes of the same request body.
+deepseek-recipe (the oracle, see tests/oracle/) makes of the same request body. A forced tool choice makes
+random weights write DSML calls (the grammar, prefill's first token and decode's rest), which must parse and whose
+arguments must validate.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 
@@ -214,6 +217,65 @@ def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     assert counts[1] > counts[0]
 
 
+# --- tool calls under a grammar (random weights: only the constraint makes them calls) --------------------------
+
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+FORCED = [{"type": "function", "function": {"name": "forecast", "parameters": BOUNDED, "strict": True}},
+          {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
+
+
+def _calls_validate(calls: list[tuple[str, str]], names: set[str]) -> None:
+    assert calls
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(json.loads(arguments), BOUNDED)
+
+
+@pytest.mark.parametrize("choice, mode", [("required", MODES["greedy"]),
+                                          ({"type": "function", "function": {"name": "forecast"}}, MODES["seeded"])],
+                         ids=["required-greedy", "named-seeded"])
+def test_a_forced_tool_call_parses_and_validates_streaming_and_not(oai: openai.OpenAI, choice: Any,
+                                                                    mode: dict[str, Any]) -> None:
+    tools = FORCED[:1] if choice == "required" else FORCED
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+           "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0.0, **mode}
+    reply = oai.chat.completions.create(**ask).choices[0]
+    assert reply.finish_reason == "tool_calls", reply.message
+    calls = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls]
+    assert len(calls) == 1  # parallel_tool_calls false: one call, whatever random weights would add
+    _calls_validate(calls, {"forecast"})
+    streamed: dict[int, list[str]] = {}
+    for chunk in oai.chat.completions.create(**ask, stream=True):
+        for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            parts = streamed.setdefault(call.index, ["", ""])
+            parts[0] += (call.function.name or "") if call.function else ""
+            parts[1] += (call.function.arguments or "") if call.function else ""
+    assert [tuple(p) for _, p in sorted(streamed.items())] == calls  # the same tokens, any chunking
+
+
+def test_anthropic_any_and_auto_with_thinking(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    tools = [{"name": "forecast", "description": "Forecast.", "input_schema": BOUNDED}]
+    ask = {"model": MODEL, "max_tokens": 120, "tools": tools,
+           "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+           "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    reply = claude.messages.create(**ask, extra_body={"temperature": 0, **NO_THINKING})
+    uses = [b for b in reply.content if b.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and len(uses) == 1
+    _calls_validate([(u.name, json.dumps(u.input)) for u in uses], {"forecast"})
+    # thinking (V4's default): the reasoning stays free, and the answer after it is text or a call that validates
+    auto = {"model": MODEL, "messages": ask["messages"], "tools": FORCED[:1], "max_tokens": 60, "seed": 5}
+    message = oai.chat.completions.create(**auto).choices[0].message
+    assert reasoning_of(message) or message.content or message.tool_calls
+    for call in message.tool_calls or []:
+        _calls_validate([(call.function.name, call.function.arguments)], {"forecast"})
+    empty_range = {"type": "object", "properties": {"q": {"type": "integer", "minimum": 5, "maximum": 1}}}
+    with pytest.raises(openai.BadRequestError, match="tool 'forecast'"):  # a valid schema xgrammar cannot compile
+        oai.chat.completions.create(**{**auto, "tools": [{"type": "function", "function": {
+            "name": "forecast", "parameters": empty_range}}]})
+
+
 def test_responses_api(oai: openai.OpenAI) -> None:
     body = {"model": MODEL, "input": "What is the capital of France?", "max_output_tokens": 8, "temperature": 0.0,
             "reasoning": {"effort": "none"}}
@@ -282,3 +344,4 @@ def test_after_a_restart_prefill_restores_the_prompt_from_the_kvcache_service(me
         assert [reply.choices[0].message.content] == ANSWERS
     finally:
         again.stop()
+

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ResponseFormat
-from services.recipe.convert import common
+from services.recipe.convert import common, structured
 from services.recipe.convert.options import ConvertOptions, Encoding
 from services.recipe.convert.serde import (
     F32,
@@ -197,10 +197,11 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     common.refuse_media(_first_media(req.messages), req.model)
     messages = [m for m in messages if m.role != "system" or m.content]  # empty system messages say nothing
     conv = common.conversation(messages, tools, choice, thinking, req.reasoning_effort, fmt)
-    return common.prepared(
+    prepared = common.prepared(
         "chat", req.model, encoding, conv, sampling, stream=stream, include_usage=include_usage,
         schema_text=schema_text,
     )
+    return structured.one_call(prepared, req.parallel_tool_calls)
 
 
 def _first_media(messages: list[tuple[str, dict[str, Any]]]) -> str | None:

@@ -11,12 +11,12 @@ the reference: image and document blocks are refused (we serve text-only models)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message
-from services.recipe.convert import common
+from services.recipe.convert import common, structured
 from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.serde import (
     F32,
@@ -211,7 +211,22 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
                                reasoning_budget=req.thinking.budget_tokens if req.thinking else None)
     common.refuse_media(_first_media(req.messages), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, cv.TEXT)
-    return common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))
+    prepared = common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))
+    if req.tool_choice and req.tool_choice[0] == "any":
+        prepared = _must_call(prepared)
+    settings = req.tool_choice[1] if req.tool_choice else None
+    no_parallel = bool(settings and settings.get("disable_parallel_tool_use"))
+    return structured.one_call(prepared, False if no_parallel else None)
+
+
+def _must_call(prepared: PreparedRequest) -> PreparedRequest:
+    """"any": the prompt is the reference's "auto" one, but the output must be a call (its grammar opens the block
+    itself, structured.py)."""
+    oc = prepared.inference.output_constraint
+    if oc is None or oc.kind != "tool_call":
+        return prepared
+    inference = replace(prepared.inference, output_constraint=replace(oc, must_call=True))
+    return replace(prepared, inference=inference)
 
 
 def _first_media(messages: list[tuple[str, Any]]) -> str | None:

@@ -7,21 +7,26 @@ engine (shared/schemas/generate.py Constraint; shared/engine/grammar.py enforces
     output_format {"type": "json_schema", "schema": ...}                                 Anthropic Messages, here
 
 One constraint per request: two sources (response_format and structured_outputs, or two keys of it) are a 400, as
-vLLM refuses them; so is one next to tools (the tool-call markup is not constrained yet). `choice` becomes an EBNF
-grammar of its literal strings. In thinking mode the constraint starts after the end-of-thinking token (the
-reasoning is free, and a schema answer never lands in `reasoning_content`); continuing an assistant prefix that
-already has content is refused (the grammar would see only the continuation).
+vLLM refuses them; so is one next to tools (the tool choice constrains the output: its call markup, dsml_grammar.py).
+`choice` becomes an EBNF grammar of its literal strings. In thinking mode the constraint starts after the
+end-of-thinking token (the reasoning is free, and a schema answer never lands in `reasoning_content`); continuing an
+assistant prefix that already has content is refused (the grammar would see only the continuation), except with
+tools, whose grammar fits a continuation: free text goes on (auto), or the prompt opened the block (required).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from services.recipe.convert import common
 from services.recipe.errors import ConversionError, FieldRefusal
-from services.recipe.formats.dsml import END_THINK
+from services.recipe.formats import dsml_grammar
+from services.recipe.formats.deepseek import FORMATS
+from services.recipe.formats.dsml import CONTROL_TOKENS, DSML, END_THINK
+from services.recipe.formats.dsml_grammar import Mode
 from services.recipe.prepared import Api, OutputConstraint, PreparedRequest
 from shared.schemas.generate import Constraint
 
@@ -111,7 +116,7 @@ def _read(name: str, kind: str, value: Any) -> OutputConstraint:
 
 def check(prepared: PreparedRequest) -> None:
     """What the engine cannot honour, refused before the request is sent: a constraint continuing a prefix."""
-    if wire_kind(prepared.inference.output_constraint) is None:
+    if wire_kind(prepared.inference.output_constraint) in (None, "structural_tag"):
         return
     if prepared.parsing.thinking_initial_stage == "content_continuation" or _continues_content(prepared):
         raise FieldRefusal("a constrained output cannot continue an assistant prefix that already has content",
@@ -124,17 +129,26 @@ def _continues_content(prepared: PreparedRequest) -> bool:
 
 
 def wire_kind(oc: OutputConstraint | None) -> str | None:
-    """The engine's constraint kind for the recipe's (None: not constrained; tool calls are not yet)."""
+    """The engine's constraint kind for the recipe's (None: not constrained)."""
     if oc is None:
         return None
     if oc.kind == "json":
         return "json_schema" if oc.schema else "json_object"
+    if oc.kind in TOOL_MODES:
+        return "structural_tag"
     return oc.kind if oc.kind in ("regex", "grammar") else None
 
 
-def wire(prepared: PreparedRequest, end_think: int | None) -> Constraint | None:
+# the recipe's tool-call constraint kinds -> dsml_grammar's modes: "tool_call_required" is a required or named
+# choice (the prompt opened the block); "tool_call" is auto, or "must_call" with OutputConstraint.must_call
+TOOL_MODES: dict[str, Mode] = {"tool_call": "auto", "tool_call_required": "required"}
+
+
+def wire(prepared: PreparedRequest, end_think: int | None,
+         token_id: Callable[[str], int | None] | None = None) -> Constraint | None:
     """The engine's constraint. end_think: the model's end-of-thinking token id, which opens the grammar in
-    thinking mode (the reasoning before it is free)."""
+    thinking mode (the reasoning before it is free); token_id: the served tokenizer's id of a token's text (a tool
+    call's markup names its marker by id)."""
     oc = prepared.inference.output_constraint
     kind = wire_kind(oc)
     if kind is None:
@@ -144,4 +158,32 @@ def wire(prepared: PreparedRequest, end_think: int | None) -> Constraint | None:
     if thinking and end_think is None:
         raise FieldRefusal(f"the model has no {END_THINK} token: a constrained output needs thinking off",
                            "response_format")
-    return Constraint(kind, oc.schema, end_think if thinking else -1)  # type: ignore[arg-type]
+    after = end_think if thinking and end_think is not None else -1
+    if kind == "structural_tag":
+        return _tool_calls(prepared, "must_call" if oc.must_call else TOOL_MODES[oc.kind], after, token_id)
+    return Constraint(kind, oc.schema, after)  # type: ignore[arg-type]
+
+
+def one_call(prepared: PreparedRequest, parallel: bool | None) -> PreparedRequest:
+    """`prepared` whose tool calls are at most one when the client said so (parallel_tool_calls false, Anthropic's
+    disable_parallel_tool_use true: `parallel` False)."""
+    oc = prepared.inference.output_constraint
+    if parallel is not False or oc is None or oc.kind not in TOOL_MODES:
+        return prepared
+    return replace(prepared, inference=replace(prepared.inference, output_constraint=replace(oc, one_call=True)))
+
+
+def _tool_calls(prepared: PreparedRequest, mode: Mode, after: int,
+                token_id: Callable[[str], int | None] | None) -> Constraint | None:
+    """A tool choice's constraint: the format's call markup with each tool's arguments (None where the format has
+    no call markup to constrain: chat-template models are offered no tools, conversion refuses them)."""
+    fmt = FORMATS.get(prepared.encoding)
+    dsml_id = token_id(DSML) if token_id is not None else None
+    if fmt is None or dsml_id is None:
+        return None
+    others = (token_id(t) for t in CONTROL_TOKENS if t != DSML)
+    excludes = sorted({i for i in others if i is not None})
+    oc = prepared.inference.output_constraint
+    parallel = oc is None or not oc.one_call
+    spec = dsml_grammar.structural_tag(fmt.tags, prepared.conversation.tools, mode, dsml_id, excludes, parallel)
+    return Constraint("structural_tag", spec, after)

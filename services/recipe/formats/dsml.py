@@ -35,6 +35,7 @@ LATEST_REMINDER = "<｜latest_reminder｜>"
 THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
+BLOCK_LEAD = "\n\n"  # what comes between the answer text and a tool-call block
 CONTROL_TOKENS = (BOS, EOS, USER, ASSISTANT, SYSTEM, LATEST_REMINDER, THINK, END_THINK, DSML)
 
 V4_EFFORT_HIGH = (
@@ -114,7 +115,7 @@ class Tags:
         out.markup(_TOOLS_TAIL)
 
     def open_block(self) -> str:
-        return f"\n\n<{DSML}{self.block}>\n"
+        return f"{BLOCK_LEAD}<{DSML}{self.block}>\n"
 
     def parameters(self, out: PromptBuilder, call: ToolCall) -> int:
         """Writes the call's arguments as DSML parameters, one a line; returns how many."""
