@@ -376,7 +376,9 @@ class Engine:
         """(layers, experts) int64 on the host: the token-expert pairs the model routed since it was loaded (a
         copy, so one device sync: read it every few seconds, not per step); None for a model without routed
         experts."""
-        return self.model.expert_counts.cpu() if isinstance(self.model, CountsExperts) else None
+        if not isinstance(self.model, CountsExperts):
+            return None
+        return self.model.expert_counts.to("cpu", copy=True)  # .cpu() of a CPU tensor would be the live buffer
 
     @property
     def expert_bytes(self) -> int:

@@ -40,7 +40,7 @@ class ExpertCounts:
         self._task: asyncio.Task[None] | None = None
         self._seen: torch.Tensor | None = None  # the cumulative counts at the last read
         self._seen_at = 0.0
-        self._last: torch.Tensor | None = None  # the last window
+        self._busy: torch.Tensor | None = None  # the last window that routed anything
         self.stats: Counter[str] = Counter()
 
     async def start(self, bus: Bus) -> None:
@@ -76,8 +76,11 @@ class ExpertCounts:
                           layers=layers, experts=experts, counts=window.flatten().tolist(),
                           window_s=now - self._seen_at, sent_at=now, expert_bytes=self.engine.engine.expert_bytes)
         await self._bus.publish(subjects.EXPERT_LOAD, load)
-        self._seen, self._seen_at, self._last = counts, now, window
+        self._seen, self._seen_at = counts, now
         self.stats["windows"] += 1
+        self.stats["pairs"] += int(window.sum())
+        if int(window.sum()):
+            self._busy = window
         return load
 
     async def _on_plan(self, plan: ExpertPlan, _: Envelope) -> None:
@@ -88,12 +91,12 @@ class ExpertCounts:
                  "change, %.1f MB move)", plan.version, self.group, plan.layers_changed, plan.moved_bytes / 1e6)
 
     def health(self) -> dict[str, Any]:
-        """The counters and the last window: token-expert pairs routed, and its per-layer max / mean expert load
-        (the imbalance a placement has to even out), mean and worst over layers."""
+        """The counters (windows sent, token-expert pairs reported, plans ignored) and, of the last window that
+        routed anything, the per-layer max / mean expert load (what a placement has to even out), mean and worst
+        over layers."""
         out: dict[str, Any] = dict(self.stats)
-        if self._last is not None and int(self._last.sum()):
-            last = self._last.double()
-            skew = last.max(dim=1).values / last.mean(dim=1).clamp(min=1e-9)  # (layers,)
-            out.update(pairs=int(self._last.sum()), expert_skew_mean=round(float(skew.mean()), 3),
-                       expert_skew_max=round(float(skew.max()), 3))
+        if self._busy is not None:
+            busy = self._busy.double()
+            skew = busy.max(dim=1).values / busy.mean(dim=1).clamp(min=1e-9)  # (layers,)
+            out.update(expert_skew_mean=round(float(skew.mean()), 3), expert_skew_max=round(float(skew.max()), 3))
         return out
