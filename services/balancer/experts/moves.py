@@ -5,8 +5,10 @@ few expert weights as it can, the bytes it moves counted, and layers whose gain 
                  GPU the new GPU sharing most (greedy, largest overlap first; plan.py's GPUs are unordered)
     slot order   an expert a GPU keeps stays in the slot it had (only arrivals take the freed slots)
     moved(layer) = sum over GPUs of the expert copies it must load that it does not hold now   x expert_bytes
-    keep         a layer whose imbalance the new plan lowers by `min_gain` or less keeps its placement:
+    keep         a layer whose imbalance no candidate lowers by more than `min_gain` keeps its placement:
                  moving ~13 MB (an FP4 V4-Flash expert) per copy is not worth a small gain
+    prefer       of the candidates within `min_gain` of the best imbalance, the one that moves least (the
+                 running placement adjusted, incremental.py, usually: a few swaps instead of a reshuffle)
 
 A plan that is already optimal for the loads gives the same GPUs, matched one to one: it moves nothing.
 """
@@ -17,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.balancer.experts.incremental import adjust
 from services.balancer.experts.plan import Cluster, Ranks, imbalance, initial, plan_layer, rank_loads
 
 
@@ -115,7 +118,12 @@ def moved(old: Ranks, new: Ranks) -> int:
 
 def replan(loads: Sequence[Sequence[float]], cluster: Cluster, current: list[Ranks] | None, expert_bytes: int,
            min_gain: float = 0.0) -> Replan:
-    """loads (layers, experts) -> the new placement of every layer against `current` (None: the initial one)."""
+    """loads (layers, experts) -> the new placement of every layer against `current` (None: the initial one).
+
+    Per layer the candidates are the running placement, a fresh plan per layout (matched to the running GPUs)
+    and, where a layout spans every GPU as one node, the running placement adjusted (incremental.py). The
+    choice is the one that moves least among those within `min_gain` of the best imbalance; the running
+    placement stays unless some candidate beats it by more than `min_gain`."""
     experts = len(loads[0])
     layouts = cluster.layouts(experts)
     start = initial(experts, cluster)
@@ -123,11 +131,14 @@ def replan(loads: Sequence[Sequence[float]], cluster: Cluster, current: list[Ran
     for i, layer_loads in enumerate(loads):
         old = current[i] if current is not None else start
         before = imbalance(rank_loads(old, layer_loads))
-        new, after = min(((ranks, imbalance(rank_loads(ranks, layer_loads)))
-                          for ranks in (align(plan_layer(layer_loads, cluster, layout), old, layout.ranks_per_node)
-                                        for layout in layouts)), key=lambda c: c[1])
-        if before - after <= min_gain:  # no gain (an equal plan, ties) never moves a byte either
+        candidates = [align(plan_layer(layer_loads, cluster, layout), old, layout.ranks_per_node) for layout in layouts]
+        if any(layout.nodes == 1 for layout in layouts):
+            candidates.append(adjust(old, layer_loads, max_swaps=4 * cluster.ranks))
+        scored = [(imbalance(rank_loads(c, layer_loads)), moved(old, c), c) for c in candidates]
+        best = min(after for after, _, _ in scored)
+        if before - best <= min_gain:  # no gain worth a byte (an equal plan, ties, or a small one)
             layers.append(LayerPlan(old, before, before, 0))
-        else:
-            layers.append(LayerPlan(new, before, after, moved(old, new)))
+            continue
+        after, copies, ranks = min((c for c in scored if c[0] <= best + min_gain), key=lambda c: (c[1], c[0]))
+        layers.append(LayerPlan(ranks, before, after, copies))
     return Replan(layers, sum(layer.moved for layer in layers) * expert_bytes)
