@@ -2,7 +2,8 @@
 
 A fresh plan (plan.py) re-sorts every expert by load: a small drift reorders the packing and, matched or not,
 most GPUs end up with other experts (bench/eplb.py: 80-90 % of the weights per re-plan). This one edits the
-running placement of one layer (every GPU one node: the global policy's freedom):
+running placement of one layer, node by node (`adjust_nodes`: each node's experts stay on it, as the
+hierarchical policy wants; with one node, the global policy's freedom):
 
     1. replica counts: replicate() for the new loads; an expert with copies to spare loses them from the busiest
        GPUs holding it, an expert short of copies gets them, most loaded per replica first, in the freed slots
@@ -21,6 +22,25 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.balancer.experts.plan import Ranks, replicate
+
+
+def adjust_nodes(old: Ranks, loads: Sequence[float], ranks_per_node: int, max_swaps: int) -> Ranks | None:
+    """`adjust` within each node of `ranks_per_node` GPUs; None when some expert is held on several nodes (the
+    initial placement's redundant copies are: then only a fresh plan will do)."""
+    nodes: dict[int, set[int]] = {}
+    for g, rank in enumerate(old):
+        for e in rank:
+            nodes.setdefault(e, set()).add(g // ranks_per_node)
+    if len(nodes) < len(loads) or any(len(on) > 1 for on in nodes.values()):
+        return None
+    out: Ranks = []
+    for first in range(0, len(old), ranks_per_node):
+        node = old[first : first + ranks_per_node]
+        local = sorted({e for rank in node for e in rank})  # the node's experts, renumbered 0..n-1 for adjust
+        index = {e: i for i, e in enumerate(local)}
+        adjusted = adjust([[index[e] for e in rank] for rank in node], [loads[e] for e in local], max_swaps)
+        out += [[local[i] for i in rank] for rank in adjusted]
+    return out
 
 
 def adjust(old: Ranks, loads: Sequence[float], max_swaps: int) -> Ranks:

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.balancer.experts.incremental import adjust
+from services.balancer.experts.incremental import adjust_nodes
 from services.balancer.experts.plan import Cluster, Ranks, imbalance, initial, plan_layer, rank_loads
 
 
@@ -121,7 +121,7 @@ def replan(loads: Sequence[Sequence[float]], cluster: Cluster, current: list[Ran
     """loads (layers, experts) -> the new placement of every layer against `current` (None: the initial one).
 
     Per layer the candidates are the running placement, a fresh plan per layout (matched to the running GPUs)
-    and, where a layout spans every GPU as one node, the running placement adjusted (incremental.py). The
+    and the running placement adjusted within each of the layout's nodes (incremental.py). The
     choice is the one that moves least among those within `min_gain` of the best imbalance; the running
     placement stays unless some candidate beats it by more than `min_gain`."""
     experts = len(loads[0])
@@ -132,8 +132,10 @@ def replan(loads: Sequence[Sequence[float]], cluster: Cluster, current: list[Ran
         old = current[i] if current is not None else start
         before = imbalance(rank_loads(old, layer_loads))
         candidates = [align(plan_layer(layer_loads, cluster, layout), old, layout.ranks_per_node) for layout in layouts]
-        if any(layout.nodes == 1 for layout in layouts):
-            candidates.append(adjust(old, layer_loads, max_swaps=4 * cluster.ranks))
+        for layout in layouts:
+            rpn = layout.ranks_per_node
+            if (adjusted := adjust_nodes(old, layer_loads, rpn, max_swaps=4 * rpn)) is not None:
+                candidates.append(adjusted)
         scored = [(imbalance(rank_loads(c, layer_loads)), moved(old, c), c) for c in candidates]
         best = min(after for after, _, _ in scored)
         if before - best <= min_gain:  # no gain worth a byte (an equal plan, ties, or a small one)
