@@ -8,8 +8,8 @@ hierarchical policy wants; with one node, the global policy's freedom):
     1. replica counts: replicate() for the new loads; an expert with copies to spare loses them from the busiest
        GPUs holding it, an expert short of copies gets them, most loaded per replica first, in the freed slots
        of the least loaded GPUs not holding it yet
-    2. swaps: while an exchange of one slot between the busiest GPU and another (the idlest first) lowers the
-       busier of the two, make the best such exchange (at most `max_swaps`; each moves two expert copies)
+    2. swaps: while an exchange of one slot between the busiest GPU and one of the SWAP_PARTNERS idlest lowers
+       the busier of the two, make the best such exchange (at most `max_swaps`; each moves two expert copies)
 
 moves.replan weighs it against the fresh plan and against keeping the layer as it is.
 """
@@ -72,12 +72,15 @@ def adjust(old: Ranks, loads: Sequence[float], max_swaps: int) -> Ranks:
     return ranks
 
 
+SWAP_PARTNERS = 8  # the idlest GPUs a busiest one tries to swap with, per swap (bounds a plan's time)
+
+
 def swap_once(ranks: Ranks, share: list[float]) -> bool:
-    """One swap of a slot of the busiest GPU with one of the idlest GPU it can improve on; False when none."""
+    """One swap of a slot of the busiest GPU with one of the idlest GPUs that it can improve on; False when none."""
     per_gpu = [sum(share[e] for e in r) for r in ranks]
     hi = int(np.argmax(per_gpu))
     a = np.array([share[e] for e in ranks[hi]])  # (S,) the busiest GPU's slots
-    for lo in sorted(range(len(ranks)), key=lambda g: (per_gpu[g], g)):
+    for lo in sorted(range(len(ranks)), key=lambda g: (per_gpu[g], g))[:SWAP_PARTNERS]:
         if per_gpu[lo] >= per_gpu[hi]:
             return False
         b = np.array([share[e] for e in ranks[lo]])  # (S,)
