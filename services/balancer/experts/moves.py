@@ -10,7 +10,8 @@ few expert weights as it can, the bytes it moves counted, and layers whose gain 
     prefer       of the candidates within `min_gain` of the best imbalance, the one that moves least (the
                  running placement adjusted, incremental.py, usually: a few swaps instead of a reshuffle)
 
-A plan that is already optimal for the loads gives the same GPUs, matched one to one: it moves nothing.
+A placement that no candidate beats for the loads is kept as it is (it moves nothing), and a fresh plan made
+for loads it was planned from is matched to it GPU for GPU, slot for slot.
 """
 
 from __future__ import annotations
