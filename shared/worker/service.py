@@ -125,11 +125,11 @@ class EngineWorker(ABC):
             await self._queue.stop()
         for task in self._tasks:
             task.cancel()
+        if self.expert_counts is not None:  # before the engine: it reads the engine's counts
+            await self.expert_counts.stop()
         if self.engine is not None:
             await self.engine.abort_many(list(self.active))
             await self.engine.stop()
-        if self.expert_counts is not None:
-            await self.expert_counts.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
         if self._kv_bus is not None:

@@ -1,8 +1,9 @@
 """Expert placement: what a tiny random DeepSeek-V4 counts equals a bincount of the experts transformers' reference
 routers choose for the same tokens (hash-routed layers included); and over a real nats-server, a worker's engine
-reports those counts in windows on experts.load, the balancer's experts role plans each worker group from them and publishes
-on experts.plan, and the single-GPU worker logs and ignores its group's plan. A multi-rank group (reported here
-by the test, as such a worker will) gets a real placement whose moves are counted from the initial one."""
+reports those counts in windows on experts.load, the balancer's experts role plans each worker group from them
+and publishes on experts.plan, and the single-GPU worker logs and ignores its group's plan. A multi-rank group
+(reported here by the test, as such a worker will) gets a real placement whose moves are counted from the
+initial one."""
 
 from __future__ import annotations
 

@@ -92,7 +92,8 @@ class DeepseekV4:
         streams = x.unsqueeze(1).expand(-1, s.hc_mult, -1).contiguous()  # (T, hc, D)
         angles = self.attention.angles(positions)
         # a captured decode step's padding rows (the scratch slot, graphs.py) route too: they are not counted
-        real = (torch.ones(input_ids.shape[0], dtype=torch.int64, device=x.device) if batch is None else (batch.slots != kv.scratch_slot).long())  # (T,)
+        real = (torch.ones(input_ids.shape[0], dtype=torch.int64, device=x.device) if batch is None
+                else (batch.slots != kv.scratch_slot).long())  # (T,)
         for i, layer in enumerate(self.layers):
             post, comb, h = hc_pre(s, streams, layer.hc_attn, self.triton)
             out = self.attention(i, layer, rms(h, layer.attn_norm, s.rms_eps), positions, angles, meta, states, kv,
