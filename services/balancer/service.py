@@ -146,7 +146,7 @@ class BalancerService:
             "kv_sources": len(self.index.sources()),
             **self.stats,
             **({f"kv_{k}": v for k, v in self._feed.stats.items()} if self._feed is not None else {}),
-            **({f"experts_{k}": v for k, v in self._experts.role.stats.items()} if self._experts else {}),
+            **({f"experts_{k}": v for k, v in self._experts.stats.items()} if self._experts else {}),
         }
         return self._bus is not None, orjson.dumps(detail).decode()
 

@@ -29,6 +29,7 @@ class ExpertsFeed:
         # reports that arrive while the role plans on its thread wait here: the role is never touched from two
         # threads at once, and the loop never waits for the planner
         self._held: list[tuple[ExpertLoad, float]] | None = None
+        self.stats: dict[str, int] = {}  # the role's counters as of the loop's last look (health reads these)
 
     async def start(self, bus: Bus) -> None:
         self._bus = bus
@@ -54,6 +55,7 @@ class ExpertsFeed:
         except BadLoad as exc:  # one worker's bad report: dropped, the others still count
             self.role.stats["bad_loads"] += 1
             log.warning("expert counts dropped: %s", exc)
+        self.stats = dict(self.role.stats)
 
     async def _tick_forever(self) -> None:
         while True:
@@ -71,6 +73,7 @@ class ExpertsFeed:
             plans = await asyncio.to_thread(self.role.tick, self._clock())
         finally:
             held, self._held = self._held, None
+            self.stats = dict(self.role.stats)
             for load, at in held:
                 self._observe(load, at)
         for plan in plans:
