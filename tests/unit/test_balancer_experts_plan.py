@@ -9,6 +9,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.balancer.experts.moves import align, match, replan
 from services.balancer.experts.plan import Cluster, imbalance, initial, pack, plan_layer, rank_loads, replicate
@@ -209,3 +211,28 @@ def test_a_replan_prefers_the_cheaper_of_two_near_equal_placements() -> None:
     assert loose.moved_bytes <= exact.moved_bytes
     for a, b in zip(loose.layers, exact.layers):
         assert a.after <= b.after + 0.05 or a.moved == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_any_cluster_and_loads_keep_the_invariants(data: st.DataObject) -> None:
+    """Whatever the shape and the loads: every expert placed, the slots exactly filled, the bytes what the GPUs
+    gain, and a re-plan never worse than the placement it replaces."""
+    nodes = data.draw(st.integers(1, 3))
+    per_node = data.draw(st.integers(1, 4))
+    experts = data.draw(st.sampled_from([8, 12, 24]))
+    spare = data.draw(st.integers(0, 2)) * nodes * per_node
+    slots = -(-experts // (nodes * per_node)) * nodes * per_node + spare
+    policy = data.draw(st.sampled_from(["hierarchical", "global", "best"]))
+    cluster = Cluster(nodes, per_node, slots, groups=data.draw(st.sampled_from([0, 4])), policy=policy)
+    loads = [data.draw(st.lists(st.integers(0, 1000).map(float), min_size=experts, max_size=experts))
+             for _ in range(2)]
+    first = replan(loads, cluster, None, EXPERT_BYTES)
+    drifted = [list(reversed(layer)) for layer in loads]
+    second = replan(drifted, cluster, first.placement, EXPERT_BYTES, min_gain=data.draw(st.sampled_from([0, 0.05])))
+    for plan, old in ((first, [initial(experts, cluster)] * 2), (second, first.placement)):
+        for layer, ranks in zip(plan.layers, plan.placement):
+            assert set(e for r in ranks for e in r) == set(range(experts))
+            assert [len(r) for r in ranks] == [cluster.slots_per_rank] * cluster.ranks
+            assert layer.after <= layer.before
+        assert plan.moved_bytes == sum(moved_copies(o, n) for o, n in zip(old, plan.placement)) * EXPERT_BYTES
