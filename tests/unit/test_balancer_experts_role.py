@@ -10,7 +10,7 @@ import pytest
 
 from services.balancer.config import BalancerConfig
 from services.balancer.experts.loads import BadLoad
-from services.balancer.experts.plan import initial, Cluster
+from services.balancer.experts.plan import Cluster, initial
 from services.balancer.experts.role import ExpertsRole
 from services.balancer.experts.settings import ExpertsSettings
 from shared import codec
