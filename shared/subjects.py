@@ -9,6 +9,7 @@
     anyone --requests.cancel (core, broadcast)--> everyone holding state for the request
     prefill/decode/kvcache --kv.events.<source> (core)--> balancer --kv.snapshot.<source> (req/reply)--> source
     prefill/decode --balancer.lost (req/reply, once at start)--> balancer: what moved on while it was lost
+    prefill/decode --experts.load (core)--> balancer (experts role) --experts.plan (core, broadcast)--> workers
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ PRESENCE = "services.presence"  # Presence: recipes and balancers, for the gatew
 WORKER_DONE = "workers.done"  # RequestDone: a request left a worker (the balancer forgets the assignment)
 CANCEL = "requests.cancel"
 KV_EVENTS_ALL = "kv.events.>"  # KvEvent from every source
+EXPERT_LOAD = "experts.load"  # ExpertLoad: a worker's per-expert routing counts of the last window
+EXPERT_PLAN = "experts.plan"  # ExpertPlan: a worker group's expert placement (each worker takes its group's)
 
 
 def kv_events(source: str) -> str:

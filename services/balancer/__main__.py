@@ -1,4 +1,4 @@
-"""`python -m services.balancer [--roles prefill,decode] [--worker-timeout S] [--route-wait S]
+"""`python -m services.balancer [--roles prefill,decode[,experts]] [--worker-timeout S] [--route-wait S]
 [--prefill-policy least-cost|round-robin|random] [--decode-policy affinity|most-free-blocks] [weights...]`"""
 
 from __future__ import annotations

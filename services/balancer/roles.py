@@ -3,7 +3,8 @@
 A role says where its jobs come from (a JetStream route queue), what they ask of each candidate worker (a
 `Demand`: prefill fills in what each worker has cached of the prompt, decode which worker served the previous
 turn), which policy places them by default, and how a placed job is addressed to its worker. The routing loop
-itself (service.py) is the same for every role. Vision and expert placement plug in here later.
+itself (service.py) is the same for every role. Vision plugs in here later; expert placement routes no jobs and
+is its own module (experts/: `--roles ...,experts`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
     caches --kv.events.>--> prefix index               (who holds which blocks; a gap -> kv.snapshot.<source>)
     route queue --job--> role.demand(job, candidates)   (prefill: each worker's cached prefix; decode: affinity)
         --> policy(candidates, demand) --> submit to work.<role>.<worker>, remember the assignment
+    the experts role (--roles ...,experts): workers --experts.load--> sliding windows --> a placement per worker
+        group on a period or past an imbalance --experts.plan--> workers (experts/; it routes no jobs)
     no worker: Retry (nak with delay) until `route_wait_s` has passed, then a 503 error TokenEvent
     worker silent for `worker_timeout_s`: it leaves the pool; its prefill jobs go to another worker; what cannot
         go elsewhere (decode jobs: their state was only on that worker; a prefill with nowhere to go) gets a "lost"
@@ -36,6 +38,8 @@ import orjson
 from services.balancer.affinity import SessionAffinity
 from services.balancer.assignments import Assignment, Assignments
 from services.balancer.config import BalancerConfig
+from services.balancer.experts.feed import ExpertsFeed
+from services.balancer.experts.role import EXPERTS, ExpertsRole
 from services.balancer.policies import POLICIES, Policy
 from services.balancer.registry import WorkerRegistry
 from services.balancer.roles import ROLES, Role, RoleContext
@@ -61,7 +65,8 @@ class BalancerService:
         self.index = PrefixIndex()
         self.affinity = SessionAffinity(config.affinity_ttl_s)
         context = RoleContext(self.index, self.affinity)
-        self._roles: dict[str, Role[Any]] = {name: ROLES[name](context) for name in config.roles}
+        self._roles: dict[str, Role[Any]] = {name: ROLES[name](context) for name in config.roles if name in ROLES}
+        self._experts = ExpertsFeed(ExpertsRole(config.experts), clock) if EXPERTS in config.roles else None
         self._policies: dict[str, Policy] = {
             n: POLICIES[chosen.get(n, r.policy)](config.policy) for n, r in self._roles.items()
         }
@@ -95,6 +100,8 @@ class BalancerService:
             await bus.serve(subjects.BALANCER_STATS, BalancerStats, self._stats),  # every instance answers
             await bus.serve(subjects.BALANCER_LOST, LostQuery, self._lost),
         ]
+        if self._experts is not None:
+            await self._experts.start(bus)
         if "prefill" in self._roles:  # only prefill placement reads the caches' holdings
             self._feed = KvEventFeed(bus, self.index, clock=self._clock)
             await self._feed.start()
@@ -125,18 +132,21 @@ class BalancerService:
         self._subs = []
         if self._feed is not None:
             await self._feed.stop()
+        if self._experts is not None:
+            await self._experts.stop()
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
 
     def health(self) -> tuple[bool, str]:
         detail = {
-            "roles": list(self._roles),
+            "roles": list(self._roles) + ([EXPERTS] if self._experts is not None else []),
             "workers": self.registry.counts(),
             "assignments": len(self.assignments),
             "kv_sources": len(self.index.sources()),
             **self.stats,
             **({f"kv_{k}": v for k, v in self._feed.stats.items()} if self._feed is not None else {}),
+            **({f"experts_{k}": v for k, v in self._experts.stats.items()} if self._experts else {}),
         }
         return self._bus is not None, orjson.dumps(detail).decode()
 

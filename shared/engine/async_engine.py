@@ -85,6 +85,10 @@ class AsyncEngine:
         torch.OutOfMemoryError when the GPU has no room for it."""
         return await self.call(_export_device, self.engine, request_id, blocks, state, nbytes)
 
+    async def expert_counts(self) -> torch.Tensor | None:
+        """The model's cumulative (layers, experts) routing counts (Engine.expert_counts), between two steps."""
+        return await self.call(self.engine.expert_counts)
+
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run())
 

@@ -41,7 +41,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.processors import LogitsProcessors
-from shared.engine.protocols import Cache, GraphsDecode, HasOwnCache
+from shared.engine.protocols import Cache, CountsExperts, GraphsDecode, HasOwnCache
 from shared.engine.sampler import sample, sample_on_device, token_logprobs
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
@@ -371,6 +371,19 @@ class Engine:
         return self.kv.replay_tokens
 
     # --- introspection ----------------------------------------------------------------------------------------
+
+    def expert_counts(self) -> torch.Tensor | None:
+        """(layers, experts) int64 on the host: the token-expert pairs the model routed since it was loaded (a
+        copy, so one device sync: read it every few seconds, not per step); None for a model without routed
+        experts."""
+        if not isinstance(self.model, CountsExperts):
+            return None
+        return self.model.expert_counts.to("cpu", copy=True)  # .cpu() of a CPU tensor would be the live buffer
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert's weights in bytes as loaded (0 without routed experts)."""
+        return self.model.expert_bytes if isinstance(self.model, CountsExperts) else 0
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._inflight)

@@ -5,6 +5,7 @@ Protocol, checked once with isinstance where the engine is built, never probed a
     HasOwnCache  a model with its own long-term layout makes its cache (DeepSeek-V4); others get KVCache pages
     Drafts       a model with an MTP layer drafts speculative tokens (speculative.py runs them)
     GraphsDecode a model with its own decode graphs (DeepSeek-V4: its cache's per-request state in the graph)
+    CountsExperts a mixture of experts that counts its routing choices (DeepSeek-V4: for expert placement)
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class DecodeGraphRunner(Protocol):
 class GraphsDecode(Protocol):
     def decode_graphs(self, kv: Any, device: torch.device, max_tokens: int, sizes: tuple[int, ...],
                       fed: torch.Tensor) -> DecodeGraphRunner | None: ...  # None: this configuration cannot
+
+
+@runtime_checkable
+class CountsExperts(Protocol):
+    """expert_counts (layers, experts) int64 on the model's device: token-expert pairs routed since load."""
+
+    expert_counts: torch.Tensor
+
+    @property
+    def expert_bytes(self) -> int: ...  # one routed expert's weights as loaded
 
 
 def drafter(model: object) -> Drafts | None:

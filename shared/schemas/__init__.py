@@ -11,6 +11,7 @@ against these dataclasses where a message arrives).
                                                            TokenEvent (workers, or the balancer failing a request,
                                                            -> recipe); Cancel (anyone -> every hop of the request)
     workers -> balancer (and gateway)        workers.py    Heartbeat, RequestDone
+    workers <-> balancer (expert placement)  experts.py    ExpertLoad (routing counts), ExpertPlan
     prefill/decode (and gateway) -> kvcache  kv.py         KvLookup, KvGet, KvPut, KvGetRun, KvPutBatch, KvPutShm,
                                                            KvGetRunShm, KvDelete and their replies; KvStats ->
                                                            KvStatsReply (KvTierStats), for /metrics

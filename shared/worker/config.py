@@ -64,6 +64,9 @@ class WorkerConfig:
         "auto", env=True, help="how a peer hand-over's bytes reach decode: auto (GPU to GPU by CUDA IPC when both "
                                "engines are on GPUs of one host, else shared memory when decode can map prefill's "
                                "arena, else nats) | cuda-ipc (the same) | shm | nats")
+    expert_counts_interval_s: float = option(
+        5.0, help="s between two reports of the per-expert routing counts on the bus (experts.load, for the "
+                  "balancer's experts role); models with routed experts only; 0 = off")
     kv_arena_mib: int = option(
         ARENA_MIB, env=True, help="MiB of shared memory (/dev/shm) per arena: the store's (--kv-transport shm) and a "
                                   "prefill worker's peer hand-overs' (a prompt's KV that does not fit goes over NATS)")
@@ -84,6 +87,8 @@ class WorkerConfig:
             raise ValueError(f"--kv-handover must be one of {list(HANDOVERS)}")
         if self.kv_peer_transport not in PEER_TRANSPORTS:
             raise ValueError(f"--kv-peer-transport must be one of {list(PEER_TRANSPORTS)}")
+        if self.expert_counts_interval_s < 0:
+            raise ValueError("--expert-counts-interval must be >= 0")
         if self.kv_arena_mib < 1:
             raise ValueError("--kv-arena-mib must be positive")
         if self.speculative_tokens < 0:

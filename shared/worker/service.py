@@ -36,6 +36,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineRequest  # EngineRequest: what the role handlers submit
 from shared.kv_events import EventPublisher
 from shared.worker.config import WorkerConfig
+from shared.worker.expert_counts import ExpertCounts
 from shared.kv_arena import Arena
 from shared.worker.kv_cuda_ipc import pin_host
 from shared.worker.kv_transfer import KvTransfer
@@ -82,6 +83,7 @@ class EngineWorker(ABC):
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: WorkQueue | None = None
         self.kv_events: EventPublisher | None = None  # the local prefix cache's changes, for the balancers
+        self.expert_counts: ExpertCounts | None = None  # the routing counts, for the balancer's experts role
 
     # --- Service protocol ---------------------------------------------------------------------------------------
 
@@ -111,6 +113,8 @@ class EngineWorker(ABC):
         }
         detail["held"] = stats.held
         detail["handover"] = self.handover_counts()
+        if self.expert_counts is not None:
+            detail["experts"] = self.expert_counts.health()
         if self.worker.speculative_tokens:
             detail["speculative"] = {"method": self.worker.speculative_method, "drafted": stats.drafted,
                                      "accepted": stats.accepted, "verifies": stats.verifies}
@@ -121,6 +125,8 @@ class EngineWorker(ABC):
             await self._queue.stop()
         for task in self._tasks:
             task.cancel()
+        if self.expert_counts is not None:  # before the engine: it reads the engine's counts
+            await self.expert_counts.stop()
         if self.engine is not None:
             await self.engine.abort_many(list(self.active))
             await self.engine.stop()
@@ -167,6 +173,10 @@ class EngineWorker(ABC):
         log.info("%s", engine.memory().line())
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         await self.serve_handover()
+        if self.worker.expert_counts_interval_s > 0 and engine.expert_bytes:  # routed experts to count
+            self.expert_counts = ExpertCounts(self.engine, self.config.instance, self.role, self.model_name,
+                                              self.worker.expert_counts_interval_s)
+            await self.expert_counts.start(self.bus)
         if engine.device.type == "cuda":
             self._pin_arenas()
         await self._hear_lost()

@@ -43,6 +43,18 @@ def test_cuda_graphs_change_nothing(hub: Path) -> None:
     assert all(len(t) == 16 for t in bf16.values())
 
 
+def test_cuda_graphs_count_experts_as_eager_steps_do(hub: Path) -> None:
+    """The per-expert routing counts (expert placement's input) from decode steps replayed from CUDA graphs equal
+    the eager steps' (the graphs' padding rows, and their warm-up and capture, are not counted)."""
+    eager = Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, cuda_graphs=False)
+    graphs = Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64)
+    assert run_to_completion(graphs, _requests()) == run_to_completion(eager, _requests())
+    assert graphs.runner.graphs is not None and graphs.runner.graphs.graphs
+    counts = graphs.expert_counts()
+    assert counts is not None and int(counts.sum()) > 0
+    assert torch.equal(counts, eager.expert_counts())
+
+
 def test_cuda_drafts_change_nothing(hub: Path) -> None:
     """fp32: exact. (In bf16 a k + 1-row verify runs other GEMM shapes than a 1-row decode step, so near-ties
     may round apart: bf16 is only checked to run.)"""

@@ -214,7 +214,9 @@ def test_decode_graph_inputs_and_padding_give_the_forwards_step(tmp_path: Path) 
     ids = _ids(len(rows), seed=20)
     snapshot = [t.clone() for t in _tensors(kv)]
     meta, positions = st.meta(rows)
+    counted = st.model.expert_counts.clone()
     want = st.model.logits(st.model.forward(ids, positions, meta, kv))
+    want_counts = st.model.expert_counts - counted  # the real rows' routing choices
     want_cache = _without_scratch(kv)
     _restore(kv, snapshot)
     for rid, p in rows:
@@ -228,8 +230,11 @@ def test_decode_graph_inputs_and_padding_give_the_forwards_step(tmp_path: Path) 
                                                           block_table=st.tables[rid]),
                                       start=p, num_tokens=1, sample=True, drafts=[]))
     assert graphs.fits(chunks)
+    counted = st.model.expert_counts.clone()
     got = graphs.run(chunks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert int(want_counts.sum()) == len(rows) * st.model.spec.experts_per_token * st.model.spec.num_layers
+    assert torch.equal(st.model.expert_counts - counted, want_counts)  # the three padding rows are not counted
     for a, b in zip(_without_scratch(kv), want_cache):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert [kv.states[rid].length for rid, _ in rows] == [p + 1 for _, p in rows]

@@ -46,6 +46,9 @@ class DeepseekV4:
         self.layers = self.weights.layers
         self.mtp = self.weights.mtp
         self.attention = Attention(spec, device, triton=self.triton)
+        # (layers, experts) int64: token-expert pairs routed since load, accumulated on the device by every forward
+        # of the main layers (not the MTP draft layer's); the worker reads it every few seconds (expert placement)
+        self.expert_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, device=device)
 
     # --- the cache ----------------------------------------------------------------------------------------------
 
@@ -88,15 +91,24 @@ class DeepseekV4:
         x = self.weights.embed[input_ids]
         streams = x.unsqueeze(1).expand(-1, s.hc_mult, -1).contiguous()  # (T, hc, D)
         angles = self.attention.angles(positions)
+        # a captured decode step's padding rows (the scratch slot, graphs.py) route too: they are not counted
+        real = (torch.ones(input_ids.shape[0], dtype=torch.int64, device=x.device) if batch is None
+                else (batch.slots != kv.scratch_slot).long())  # (T,)
         for i, layer in enumerate(self.layers):
             post, comb, h = hc_pre(s, streams, layer.hc_attn, self.triton)
             out = self.attention(i, layer, rms(h, layer.attn_norm, s.rms_eps), positions, angles, meta, states, kv,
                                  batch)
             streams = hc_post(out, post, comb, streams)
             post, comb, h = hc_pre(s, streams, layer.hc_ffn, self.triton)
-            out = moe(s, layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids, self.triton)
+            out = moe(s, layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids, self.triton, self.expert_counts[i], real)
             streams = hc_post(out, post, comb, streams)
         return streams
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert's weights as loaded (FP4 with its scales, or dense), for placement."""
+        ex = self.layers[0].experts
+        return (ex.w13.nbytes + ex.w2.nbytes) // self.spec.num_experts
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams (N, hc, D) of the rows we sample from -> (N, V) float32."""

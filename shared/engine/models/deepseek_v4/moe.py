@@ -47,15 +47,27 @@ def route_weights(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None
     return chosen, weights / (weights.sum(-1, keepdim=True) + 1e-20) * scale
 
 
-def moe(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor, triton: bool = False
-        ) -> torch.Tensor:
+def moe(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, input_ids: torch.Tensor, triton: bool = False,
+        counts: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
+    """counts (E,) int64: the layer's row of the model's expert counts, to which this step's choices are added,
+    one per row that `real` (T,) int64 marks 1."""
     chosen, weights = route(s, layer, x, input_ids)
+    if counts is not None:
+        assert real is not None
+        tally(counts, chosen, real)
     if triton:
         return fused(s, layer, x, chosen, weights)
     out = experts(layer.experts, x, chosen, weights, s.swiglu_limit)
     if layer.shared is not None:
         out = out + shared_expert(layer.shared, x, s.swiglu_limit)
     return out
+
+
+def tally(counts: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor) -> None:
+    """counts[e] += the real rows that chose expert e: one scatter on the device, no read-back, so a CUDA graph
+    captures it (the buffer is the model's, allocated once) and a step pays one tiny kernel per layer."""
+    T, k = chosen.shape
+    counts.index_add_(0, chosen.reshape(-1), real[:, None].expand(T, k).reshape(-1))
 
 
 def fused(s: DeepseekV4Spec, layer: Layer, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
