@@ -35,6 +35,7 @@ LATEST_REMINDER = "<｜latest_reminder｜>"
 THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
+IMAGE = "<｜image｜>"  # V4.1: an image placeholder (never in CONTROL_TOKENS: template prose has none)
 CONTROL_TOKENS = (BOS, EOS, USER, ASSISTANT, SYSTEM, LATEST_REMINDER, THINK, END_THINK, DSML)
 
 V4_EFFORT_HIGH = (
