@@ -15,7 +15,7 @@ from services.recipe.conversation import Images
 from services.recipe.errors import ConversionError
 from services.recipe.formats.dsml import IMAGE
 from services.recipe.images.resolve import UNSUPPORTED
-from services.recipe.images.sources import IMAGE_MIME, ImageSource
+from services.recipe.images.sources import IMAGE_MIME, DataUrlError, ImageSource, forgiving_base64
 from services.recipe.images.spec import Detail
 
 IMAGE_TOKEN = IMAGE
@@ -50,15 +50,24 @@ def image_url(url: str, detail: Detail | None, path: str, long_url: str) -> Imag
     if found:
         if found["mime"].split(";")[0].strip().lower() not in IMAGE_MIME:
             raise ConversionError(f"{path}: {UNSUPPORTED}")
+        try:
+            forgiving_base64(url[found.end():])
+        except DataUrlError:
+            raise ConversionError(f"{path}: Invalid base64 data") from None
         return ImageSource("data_url", url, detail or "high", path)
     if url[:7].lower() == "http://" or url[:8].lower() == "https://":
-        length = len(url.encode())
-        if length > MAX_URL_BYTES:
-            raise ConversionError(
-                f"{long_url} external link length {length} too long, max link length {MAX_URL_BYTES}. Consider "
-                "passing file data directly with base64 data url instead.")
+        check_url_length(url, long_url)
         return ImageSource("url", url, detail or "high", path)
     raise ConversionError(f"{path}: Unsupported image_url format")
+
+
+def check_url_length(url: str, where: str) -> None:
+    """An external URL (anything but a data URL) of more than 8192 bytes is refused."""
+    length = len(url.encode())
+    if length > MAX_URL_BYTES and url[:5].lower() != "data:":
+        raise ConversionError(
+            f"{where} external link length {length} too long, max link length {MAX_URL_BYTES}. Consider passing "
+            "file data directly with base64 data url instead.")
 
 
 def base64_block(media_type: str, data: str, path: str) -> ImageSource:

@@ -123,25 +123,41 @@ def _content(content: list[tuple[str, Any]] | str, encoding: str, i: int, key: s
     as the reference checks them (`key` names the list in error locations: "content" or "output")."""
     if encoding != "v41" or isinstance(content, str):
         return _text(content), cv.NO_IMAGES
+    for j, (kind, p) in enumerate(content):  # every part's shape first, then the URLs (the reference's order)
+        if kind == "input_image":
+            _check_image_part(p, f"input[{i}].{key}[{j}]", both=key == "content")
     pieces: list[images.Piece] = []
     for j, (kind, p) in enumerate(content):
         if kind != "input_image":
             pieces.append(p["text"] if kind in _TEXT_PARTS else _PLACEHOLDERS[kind])
             continue
         where = f"input[{i}].{key}[{j}]"
-        if p["image_url"] is not None and p["file_id"] is not None:
-            raise ConversionError(f"{where}: input_image cannot have both image_url and file_id")
-        if p["image_url"] is None and p["file_id"] is None:
-            raise ConversionError(f"{where}: input_image must have image_url or file_id")
-        if p["image_url"] is None:
-            raise ConversionError(f"{where}: file_id is not supported. Pass the image as a base64 data url instead.")
         pieces.append(images.image_url(p["image_url"], p["detail"], f"input[{i}]", f"{where}: image_url"))
     return images.join(pieces)
 
 
+def _check_image_part(p: dict[str, Any], where: str, *, both: bool = True) -> None:
+    """A message part may not name both a URL and a file; an output part (`both` False) is read file id
+    first, as an assistant's is."""
+    if not both and p["file_id"] is not None:
+        raise ConversionError(f"{where}: file_id is not supported. Pass the image as a base64 data url instead.")
+    if p["image_url"] is not None and p["file_id"] is not None:
+        raise ConversionError(f"{where}: input_image cannot have both image_url and file_id")
+    if p["image_url"] is None and p["file_id"] is None:
+        raise ConversionError(f"{where}: input_image must have image_url or file_id")
+    if p["image_url"] is None:
+        raise ConversionError(f"{where}: file_id is not supported. Pass the image as a base64 data url instead.")
+    images.check_url_length(p["image_url"], f"{where}: image_url")
+
+
 def _assistant_text(content: list[tuple[str, Any]] | str, encoding: str, i: int) -> str:
-    if encoding == "v41" and not isinstance(content, str) and any(kind == "input_image" for kind, _ in content):
-        raise ConversionError(f"input[{i}]: Image in assistant message is unsupported")
+    """V4.1 refuses an image in assistant content, once each image part is well formed (the URL unread)."""
+    if encoding == "v41" and not isinstance(content, str):
+        found = [(j, p) for j, (kind, p) in enumerate(content) if kind == "input_image"]
+        for j, p in found:
+            _check_image_part(p, f"input[{i}].content[{j}]", both=False)
+        if found:
+            raise ConversionError(f"input[{i}]: Image in assistant message is unsupported")
     return _text(content)
 
 
