@@ -125,7 +125,7 @@ def _content(content: list[tuple[str, Any]] | str, encoding: str, i: int, key: s
         return _text(content), cv.NO_IMAGES
     for j, (kind, p) in enumerate(content):  # every part's shape first, then the URLs (the reference's order)
         if kind == "input_image":
-            _check_image_part(p, f"input[{i}].{key}[{j}]", both=key == "content")
+            _check_image_part(p, f"input[{i}].{key}[{j}]")
     pieces: list[images.Piece] = []
     for j, (kind, p) in enumerate(content):
         if kind != "input_image":
@@ -136,18 +136,16 @@ def _content(content: list[tuple[str, Any]] | str, encoding: str, i: int, key: s
     return images.join(pieces)
 
 
-def _check_image_part(p: dict[str, Any], where: str, *, both: bool = True) -> None:
-    """A message part may not name both a URL and a file; an output part (`both` False) is read file id
-    first, as an assistant's is."""
-    if not both and p["file_id"] is not None:
-        raise ConversionError(f"{where}: file_id is not supported. Pass the image as a base64 data url instead.")
-    if p["image_url"] is not None and p["file_id"] is not None:
+def _check_image_part(p: dict[str, Any], where: str) -> None:
+    """One URL or one file id (an empty URL counts as none); a file id is refused, a long URL too."""
+    url = p["image_url"] or None
+    if url is not None and p["file_id"] is not None:
         raise ConversionError(f"{where}: input_image cannot have both image_url and file_id")
-    if p["image_url"] is None and p["file_id"] is None:
+    if url is None and p["file_id"] is None:
         raise ConversionError(f"{where}: input_image must have image_url or file_id")
-    if p["image_url"] is None:
+    if url is None:
         raise ConversionError(f"{where}: file_id is not supported. Pass the image as a base64 data url instead.")
-    images.check_url_length(p["image_url"], f"{where}: image_url")
+    images.check_url_length(url, f"{where}: image_url")
 
 
 def _assistant_text(content: list[tuple[str, Any]] | str, encoding: str, i: int) -> str:
@@ -155,7 +153,7 @@ def _assistant_text(content: list[tuple[str, Any]] | str, encoding: str, i: int)
     if encoding == "v41" and not isinstance(content, str):
         found = [(j, p) for j, (kind, p) in enumerate(content) if kind == "input_image"]
         for j, p in found:
-            _check_image_part(p, f"input[{i}].content[{j}]", both=False)
+            _check_image_part(p, f"input[{i}].content[{j}]")
         if found:
             raise ConversionError(f"input[{i}]: Image in assistant message is unsupported")
     return _text(content)
