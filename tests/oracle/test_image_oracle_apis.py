@@ -135,6 +135,18 @@ def messages_body(g: Gen) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": 16, "messages": messages}
 
 
+def _each_error(sources: list[Any]) -> set[str]:
+    """Our error for each source on its own, located as it is in the request (its index at its location)."""
+    errors = set()
+    for n, source in enumerate(sources):
+        try:
+            asyncio.run(resolve([source], ImageQuota(), NoFetch()))
+        except ImageError as exc:
+            k = sum(s.path == source.path for s in sources[:n])
+            errors.add(exc.message.replace(f"{source.path}.image[0]:", f"{source.path}.image[{k}]:", 1))
+    return errors
+
+
 BODIES = {"chat": chat_body, "responses": responses_body, "messages": messages_body}
 REQUESTS = {"chat": dr.ChatCompletionRequest, "responses": dr.ResponsesRequest, "messages": dr.MessagesRequest}
 
@@ -156,7 +168,10 @@ def check_request(api: str, body: dict[str, Any], tokenizer: Path) -> None:
     except dr.ImageError as exc:
         with pytest.raises(ImageError) as caught:
             asyncio.run(resolve(list(rendered.images), ImageQuota(), NoFetch()))
-        assert caught.value.message == str(exc)
+        if caught.value.message != str(exc):
+            # Several bad images: the reference resolves 8 at a time and names the first to fail, which need
+            # not be the first in the prompt. Its error must still be one of ours, image by image.
+            assert str(exc) in _each_error(list(rendered.images)), (caught.value.message, str(exc))
         return
     images = asyncio.run(resolve(list(rendered.images), ImageQuota(), NoFetch()))
     assert [(i.width, i.height) for i in images] == [(i.width, i.height) for i in data.images]
@@ -169,7 +184,7 @@ def check_request(api: str, body: dict[str, Any], tokenizer: Path) -> None:
     assert [r.length for r in records] == [dr.MultiModalData([i]).image_token_adjustment() + 1 for i in data.images]
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(sorted(BODIES)), st.data())
 def test_image_requests_are_the_oracles(v41_tokenizer: Path, api: str, data: st.DataObject) -> None:

@@ -70,22 +70,23 @@ def check_url_length(url: str, where: str) -> None:
             "file data directly with base64 data url instead.")
 
 
-def base64_block(media_type: str, data: str, path: str) -> ImageSource:
-    """Messages' base64 image source: strict (padded) base64, checked at conversion."""
+def base64_block(media_type: str, data: str, path: str, where: str) -> ImageSource:
+    """Messages' base64 image source: strict (padded) base64, checked at conversion (`where` locates the
+    block in errors, `path` the image for the resolver)."""
     if not _STRICT_BASE64.fullmatch(data):
-        raise ConversionError(f"{path}: base64 decode error")
+        raise ConversionError(f"{where}: base64 decode error")
     media_type = "image/jpeg" if media_type == "image/jpg" else media_type
     return ImageSource("data_url", f"data:{media_type};base64,{data}", "high", path)
 
 
-def url_block(url: str, path: str) -> ImageSource:
+def url_block(url: str, path: str, where: str) -> ImageSource:
     """Messages' url image source: http(s) only, at most 8192 bytes."""
     if not (url[:7].lower() == "http://" or url[:8].lower() == "https://"):
-        raise ConversionError(f"{path}: invalid url: {_debug(url)}")
+        raise ConversionError(f"{where}: invalid url: {_debug(url)}")
     length = len(url.encode())
     if length > MAX_URL_BYTES:
         raise ConversionError(
-            f"{path}: external link length {length} too long, max link length {MAX_URL_BYTES}. Consider passing "
+            f"{where}: external link length {length} too long, max link length {MAX_URL_BYTES}. Consider passing "
             "file data directly with base64 data url instead.")
     return ImageSource("url", url, "high", path)
 

@@ -281,15 +281,16 @@ def _choice(
     return picked, "required"
 
 
-def _block_piece(kind: str, block: dict[str, Any], encoding: str, path: str) -> images.Piece:
-    """A block as a message part: V4.1 reads an image block's source (`path` locates it in errors)."""
+def _block_piece(kind: str, block: dict[str, Any], encoding: str, path: str, where: str = "") -> images.Piece:
+    """A block as a message part: V4.1 reads an image block's source (`path` locates the image for the
+    resolver, `where` the block in conversion errors; the same but in tool results)."""
     if kind != "image" or encoding != "v41":
         return _block_text(kind, block)
     source_kind, source = block["source"]
     if source_kind == "base64":
-        return images.base64_block(source["media_type"], source["data"], path)
+        return images.base64_block(source["media_type"], source["data"], path, where or path)
     if source_kind == "url":
-        return images.url_block(source["url"], path)
+        return images.url_block(source["url"], path, where or path)
     return _block_text(kind, block)
 
 
@@ -352,7 +353,8 @@ def _assistant(
                 "Each `tool_use` block must have a corresponding `tool_result` block in the next message."
             )
         else:
-            if kind == "image" and encoding == "v41":
+            if kind == "image" and encoding == "v41":  # its source is read (and may be refused) first
+                _block_piece(kind, b, encoding, f"messages.{i}.content[{j}]")
                 raise ConversionError("Image in assistant message is unsupported")
             texts.append(_block_text(kind, b))
     text_reasoning: str | None = "\n\n".join(reasoning) if reasoning else None
@@ -457,11 +459,12 @@ def _result_text(i: int, j: int, content: Any, tool_names: set[str], encoding: s
     if content is None or isinstance(content, str):
         return content or "", cv.NO_IMAGES
     parts: list[images.Piece] = []
-    for kind, b in content:
+    for k, (kind, b) in enumerate(content):
         if kind == "tool_reference":
             if b["tool_name"] not in tool_names:
                 raise ConversionError(f"messages.{i}.content.{j}: tool reference '{b['tool_name']}' not found in "
                                       "available tools")
             continue
-        parts.append(_block_piece(kind, b, encoding, f"messages.{i}.content.{j}.tool_result"))
+        where = f"messages.{i}.content.{j}.tool_result"
+        parts.append(_block_piece(kind, b, encoding, where, f"{where}.content[{k}]"))
     return images.join(parts)
