@@ -59,7 +59,8 @@ def our_resolve(sources: list[ImageSource]) -> Any:
 
 def webp(width: int, height: int) -> bytes:
     """A WebP of the reference's making (its preprocessing output), the nearest V4.1 size to width x height."""
-    return PREPROCESSOR.preprocess(png(np.zeros((height, width), np.uint8)), dr.PreprocessOptions("high", 8192, 512)).data
+    options = dr.PreprocessOptions("high", 8192, 512)
+    return PREPROCESSOR.preprocess(png(np.zeros((height, width), np.uint8)), options).data
 
 
 def encoded(fmt: str, width: int, height: int, channels: int) -> bytes:
@@ -169,7 +170,8 @@ def test_limits_are_the_oracles() -> None:
     # (URLs the reference cannot parse cost it about 2 s of retries each: one is enough)
     urls = ["ftp://x/y", "not a url", "http://", "http://a/" + "x" * 9000, "data:image/png;base64,AAAA"]
     cases = [[one] * 601, [one, bad], [bad, one, bad], [ImageSource("bytes", "", "low", "b", b"")],
-             *[[ImageSource("url", u, "high", "u")] for u in urls], [ImageSource("url", "http://127.0.0.1:1/a", "high", "u")]]
+             *[[ImageSource("url", u, "high", "u")] for u in urls],
+             [ImageSource("url", "http://127.0.0.1:1/a", "high", "u")]]
     for sources in cases:
         assert our_resolve(sources) == oracle_resolve(sources), sources[0]
 
@@ -179,3 +181,12 @@ def test_byte_limits_are_the_oracles() -> None:
     assert our_resolve([one]) == oracle_resolve([one])
     part = ImageSource("bytes", "", "high", "t", b"\x89PNG" + b"\0" * (30 * 1024 * 1024))
     assert our_resolve([part] * 3) == oracle_resolve([part] * 3)
+
+
+def test_a_large_png_is_read_whole() -> None:
+    """Megabytes of image data inflate in bounded pieces (a 2000 x 1500 RGB noise PNG is about 9 MB)."""
+    data = png(np.random.default_rng(0).integers(0, 256, (1500, 2000, 3), dtype=np.uint8))
+    source = ImageSource("bytes", "", "high", "m", data)
+    assert our_resolve([source]) == oracle_resolve([source])
+    broken = ImageSource("bytes", "", "high", "m", data[: len(data) // 2] + data[len(data) // 2 + 10 :])
+    assert our_resolve([broken]) == oracle_resolve([broken])

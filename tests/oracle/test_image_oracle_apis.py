@@ -79,7 +79,8 @@ def chat_body(g: Gen) -> dict[str, Any]:
     if g.chance(0.4):
         messages.append({"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
-        messages.append({"role": "tool", "tool_call_id": "c1", "content": [chat_part(g) for _ in range(g.between(1, 2))]})
+        result = [chat_part(g) for _ in range(g.between(1, 2))]
+        messages.append({"role": "tool", "tool_call_id": "c1", "content": result})
         if g.chance(0.2):
             messages.append({"role": "assistant", "content": [chat_part(g)]})
     return {"model": MODEL, "messages": messages}

@@ -95,7 +95,8 @@ def test_a_body_over_the_size_limit_fails(server: str) -> None:
 
 def test_a_slow_server_times_out_and_a_missing_image_fails(server: str) -> None:
     slow = f"{server}/slow.png"
-    assert ours(slow, fetch_policy("127.0.0.1", 1 << 20, 0.3)) == ("error", f"u.image[0]: Failed to download image from {slow}")
+    failed = ("error", f"u.image[0]: Failed to download image from {slow}")
+    assert ours(slow, fetch_policy("127.0.0.1", 1 << 20, 0.3)) == failed
     missing = f"{server}/missing.png"
     assert ours(missing, fetch_policy("127.0.0.1", 1 << 20, 10)) == oracle(missing)
 

@@ -74,21 +74,17 @@ def _png_chunks(data: bytes) -> None:
         critical = kind[0] < 0x61  # an upper-case first letter
         if critical and zlib.crc32(data[pos + 4 : end - 4]) != struct.unpack(">I", data[end - 4 : end])[0]:
             raise HeaderError("Decode")
-        if kind == b"IDAT":
+        if kind == b"IDAT":  # inflated in bounded pieces: only errors matter, never the pixels
             try:
-                while inflate.decompress(data[pos + 8 : end - 4], 1 << 20) and inflate.unconsumed_tail:
-                    _drain(inflate)
+                inflate.decompress(data[pos + 8 : end - 4], 1 << 20)
+                while inflate.unconsumed_tail:
+                    inflate.decompress(inflate.unconsumed_tail, 1 << 20)
             except zlib.error:
                 raise HeaderError("Decode") from None
         if kind == b"IEND":
             return
         pos = end
 
-
-def _drain(inflate: zlib._Decompress) -> None:
-    """Inflate what is pending in bounded pieces: only errors matter, never the pixels."""
-    while inflate.unconsumed_tail:
-        inflate.decompress(inflate.unconsumed_tail, 1 << 20)
 
 
 def _gif(data: bytes) -> tuple[int, int]:
