@@ -1,8 +1,9 @@
 """The one block size and the one chained block hash of the mesh.
 
 Block i's key = H(key of block i-1 || namespace || token ids of block i), where the namespace folds in the
-model's cache identity (model name, KV dtype and layout) and any salt (tenant, LoRA, image hashes). Only full
-blocks get keys: the partial tail is never shared. The chain makes a key identify the whole prefix, so a store
+model's cache identity (model name, KV dtype and layout) and any salt (tenant, LoRA); a block that holds
+image tokens also covers those images' content hashes. Only full blocks get keys: the partial tail is never
+shared. The chain makes a key identify the whole prefix, so a store
 that holds key k holds exactly that prefix's KV.
 """
 
@@ -12,6 +13,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Protocol
 
 BLOCK_TOKENS = 16  # tokens per KV block (Llama family); an engine may use a multiple (DeepSeek-V4: 128)
 DIGEST_BYTES = 16
@@ -22,8 +24,29 @@ def namespace(cache_id: str, salt: str = "") -> bytes:
     return hashlib.blake2b(f"{cache_id}\x00{salt}".encode(), digest_size=DIGEST_BYTES).digest()
 
 
-def block_hashes(token_ids: Sequence[int], ns: bytes, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
-    """Keys of every full block of `token_ids` (a list, or a numpy integer array), in order."""
+class ImageSpan(Protocol):
+    """An image's run of placeholder tokens in a prompt and its content hash (shared/schemas/generate.py
+    `ImageInput` is one)."""
+
+    @property
+    def digest(self) -> bytes: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
+def block_hashes(
+    token_ids: Sequence[int], ns: bytes, block_tokens: int = BLOCK_TOKENS, images: Sequence[ImageSpan] = (),
+    offset: int = 0,
+) -> list[bytes]:
+    """Keys of every full block of `token_ids` (a list, or a numpy integer array), in order.
+
+    A block that holds any token of an image also covers that image's digest (an image's tokens are all the
+    same placeholder id, so the ids alone would let two prompts that differ only in an image share blocks);
+    the chain carries the difference into every later block. `offset` is the prompt position of
+    `token_ids[0]` (for a caller that hashes a prompt in pieces). Without images the keys are the text-only
+    ones, unchanged."""
     data = _token_bytes(token_ids)
     step = 8 * block_tokens
     keys: list[bytes] = []
@@ -31,6 +54,10 @@ def block_hashes(token_ids: Sequence[int], ns: bytes, block_tokens: int = BLOCK_
     for start in range(0, len(data) - step + 1, step):
         h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
         h.update(data[start : start + step])
+        first = offset + start // 8
+        for image in images:
+            if image.start < first + block_tokens and first < image.start + image.length:
+                h.update(image.digest)
         parent = h.digest()
         keys.append(parent)
     return keys

@@ -35,7 +35,8 @@ def build(config: ServiceConfig, args: argparse.Namespace) -> RecipeService:
                          response_ttl_s=recipe.response_ttl_s, served_names=config.served_model_names,
                          max_model_len=config.max_model_len,
                          trust_client_control_tokens=recipe.allow_control_tokens_in_user_text,
-                         admission=recipe.admission(), max_migrations=recipe.max_migrations)
+                         admission=recipe.admission(), max_migrations=recipe.max_migrations,
+                         image_fetch=recipe.fetch_policy())
 
 
 if __name__ == "__main__":

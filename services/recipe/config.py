@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.recipe.admission import AdmissionLimits
+from services.recipe.images.fetch import FetchPolicy, fetch_policy
 from shared.config import add_flags, from_args, option
 
 
@@ -37,10 +38,24 @@ class RecipeConfig:
         help="times one request may resume on another worker, from the tokens it streamed, after losing its "
              "worker (exact: the stream goes on unchanged); past it the request ends with a 503. 0 = never")
 
+    image_fetch_hosts: str = option(
+        "", env=True,
+        help="V4.1 image URLs: comma-separated host names the recipe may fetch images from ('*' = any host); "
+             "empty (the default) = fetching off, only data URLs and base64 images are read (a recipe that "
+             "fetches any URL a client names can be aimed at the mesh's own network)")
+    image_fetch_max_bytes: int = option(
+        32 * 1024 * 1024, env=True, help="V4.1 image URLs: the largest image body fetched, in bytes")
+    image_fetch_timeout_s: float = option(
+        60.0, env=True, help="V4.1 image URLs: seconds one fetch may take, connection to last byte")
+
     def __post_init__(self) -> None:
         if self.response_ttl_s <= 0:
             raise ValueError(f"--response-ttl must be positive, got {self.response_ttl_s}")
         self.admission()  # raises on negatives
+        self.fetch_policy()  # raises on non-positive limits
+
+    def fetch_policy(self) -> FetchPolicy:
+        return fetch_policy(self.image_fetch_hosts, self.image_fetch_max_bytes, self.image_fetch_timeout_s)
 
     def admission(self) -> AdmissionLimits:
         return AdmissionLimits(self.max_queued_requests, self.max_queued_tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.recipe.images.sources import ImageSource
 from services.recipe.prepared import ToolSpec
 
 Role = Literal["system", "user", "assistant", "tool", "latest_reminder"]
@@ -38,14 +39,22 @@ class Message:
     tool_calls: tuple[ToolCall, ...] | None = None  # assistant only; () is kept apart from None (V4 renders it)
     tool_call_id: str | None = None  # tool only
     prefix: bool = False  # assistant only: the final message is continued, not answered
+    # system, user and tool (V4.1): image sources and where their placeholders (`<｜image｜>`) start in
+    # `content`; the same spelling typed by the client elsewhere in the text stays text
+    images: tuple[ImageSource, ...] = ()
+    image_at: tuple[int, ...] = ()
 
 
-def system(content: str) -> Message:
-    return Message("system", content)
+Images = tuple[tuple[ImageSource, ...], tuple[int, ...]]  # sources and their placeholder offsets
+NO_IMAGES: Images = ((), ())
 
 
-def user(content: str) -> Message:
-    return Message("user", content)
+def system(content: str, images: Images = NO_IMAGES) -> Message:
+    return Message("system", content, images=images[0], image_at=images[1])
+
+
+def user(content: str, images: Images = NO_IMAGES) -> Message:
+    return Message("user", content, images=images[0], image_at=images[1])
 
 
 def assistant(
@@ -55,8 +64,8 @@ def assistant(
     return Message("assistant", content, reasoning, tool_calls, prefix=prefix)
 
 
-def tool(content: str, tool_call_id: str | None) -> Message:
-    return Message("tool", content, tool_call_id=tool_call_id)
+def tool(content: str, tool_call_id: str | None, images: Images = NO_IMAGES) -> Message:
+    return Message("tool", content, tool_call_id=tool_call_id, images=images[0], image_at=images[1])
 
 
 def latest_reminder(content: str) -> Message:

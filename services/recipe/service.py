@@ -38,7 +38,10 @@ from services.recipe.emit.processor import OutputProcessor
 from services.recipe.errors import ApiError, ConversionError, api_error, error_for, openai_error
 from services.recipe.fanout import FanOut, choice_id, choice_seed
 from services.recipe.flight import Flight, Output
-from services.recipe.formats import render
+from services.recipe.images.fetch import FetchPolicy, HttpFetcher
+from services.recipe.images.limits import ImageQuota
+from services.recipe.images.resolve import ImageError, resolve
+from services.recipe.formats import render, render_deepseek
 from services.recipe.formats.dsml import END_THINK
 from services.recipe.model import ServedModel
 from services.recipe.prepared import RESPONSE_ID_PREFIXES, InferenceSpec, PreparedRequest
@@ -82,7 +85,7 @@ class RecipeService:
         self, model_specs: Sequence[str], *, ttl_s: float = RecipeConfig.request_ttl_s,
         stop_grace_s: float = RecipeConfig.stop_grace_s, response_ttl_s: float = RecipeConfig.response_ttl_s, served_names: Sequence[str] = (), max_model_len: int | None = None,
         trust_client_control_tokens: bool = False, admission: AdmissionLimits | None = None,
-        max_migrations: int = 2,
+        max_migrations: int = 2, image_fetch: FetchPolicy | None = None,
     ) -> None:
         """`model_specs`: what `shared.models.resolve` accepts (packaged name, .gguf path, HF dir). Models load
         in `start`, off the event loop. `response_ttl_s`: how long a stored response is kept. `served_names` (one
@@ -90,12 +93,14 @@ class RecipeService:
         `max_model_len`: every model's context, capped. `trust_client_control_tokens`: chat templates read control
         tokens spelled in client text as control tokens (--allow-control-tokens-in-user-text; unsafe).
         `admission`: the bound on each model's requests in flight (admission.py); None = unbounded.
-        `max_migrations`: how many times one request may resume after losing its worker (0 = never)."""
+        `max_migrations`: how many times one request may resume after losing its worker (0 = never).
+        `image_fetch`: which image URLs V4.1 requests may have fetched (None = none: data URLs only)."""
         if not model_specs:
             raise ValueError("the recipe needs at least one model")
         if max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self._max_migrations = max_migrations
+        self._fetcher = HttpFetcher(image_fetch or FetchPolicy())
         self.migrations = 0  # continuations submitted since start
         self.forks = 0  # requests where a repeated position brought another token (Flight.forked_at)
         if served_names and len(model_specs) != 1:
@@ -206,7 +211,9 @@ class RecipeService:
             except ApiError as exc:
                 return _refuse(exc)
         try:
-            prepared, model, prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, req.api, body)
+            prepared = await asyncio.to_thread(convert, req.api, body, self._options)
+            await self._images(prepared)
+            prepared, model, prompt_ids, max_tokens = await asyncio.to_thread(self._encode, prepared)
         except ConversionError as exc:
             return _refuse(api_error(req.api, exc))
         except RecursionError:  # a walk the depth limit did not bound: still the client's nesting, not our bug
@@ -236,9 +243,29 @@ class RecipeService:
             log.warning("%s: response store unavailable: %s", req.request_id, exc)
             raise error_for(req.api, 503, "stored responses are not available right now, try again") from None
 
+    async def _images(self, prepared: PreparedRequest) -> None:
+        """A V4.1 request's images are resolved as the reference resolves them (a bad image, source or limit is
+        its 400); then, while no served model can see images (no vision encoder yet), the request is refused
+        with a 400 that says so. Raises ConversionError."""
+        sources = [s for m in prepared.conversation.messages for s in m.images]
+        if not sources:
+            return
+        try:
+            await resolve(render_deepseek(prepared).images, ImageQuota(), self._fetcher)
+        except ImageError as exc:
+            raise ConversionError(exc.message, exc.status) from None
+        raise ConversionError(
+            f"image input is not supported: model {prepared.model} has no vision encoder serving it (the images "
+            "were read; no worker can see them)", 400)
+
     def _prepare(self, api: str, body: bytes | dict) -> tuple[PreparedRequest, ServedModel, list[int], int]:
-        """Convert, render, encode, size: everything the reference checks, in its order. Off the event loop."""
-        prepared = convert(api, body, self._options)
+        """Convert, render, encode, size (a request without images: `prepare` puts image resolution between
+        the conversion and the rest). Off the event loop."""
+        return self._encode(convert(api, body, self._options))
+
+    def _encode(self, prepared: PreparedRequest) -> tuple[PreparedRequest, ServedModel, list[int], int]:
+        """Render, encode, size: everything the reference checks after conversion, in its order. Off the event
+        loop."""
         model = self._models[prepared.model]  # the options name only served models
         if prepared.prompt_token_ids is not None:  # before render: decoding ids past 2^32 overflows the tokenizer
             check_token_ids(prepared.prompt_token_ids, model.vocab_size)
@@ -260,7 +287,9 @@ class RecipeService:
             body = orjson.loads(req.body)
             if isinstance(body, dict):
                 body.setdefault("max_tokens", 1)
-            prepared, _, prompt_ids, _ = await asyncio.to_thread(self._prepare, req.api, body)
+            prepared = await asyncio.to_thread(convert, req.api, body, self._options)
+            await self._images(prepared)
+            prepared, _, prompt_ids, _ = await asyncio.to_thread(self._encode, prepared)
         except orjson.JSONDecodeError as exc:
             return CountTokensReply(400, api_error(req.api, ConversionError(f"invalid JSON request: {exc}")).body)
         except ConversionError as exc:

@@ -67,6 +67,27 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt (V4.1): the run of prompt ids its tokens take and what an encoder needs to fill it.
+
+    prompt_ids  ... <｜User｜> q  [IMG IMG IMG ... IMG]  <｜Assistant｜> ...
+                                  ^ start     length = the image's V4.1 token count (its grid, row ends, frame)
+
+    `data` is the image as the client sent it (PNG, JPEG, GIF or WebP: the recipe holds no image library, so
+    decoding and resizing to width x height are the encoder's), `digest` the sha256 of those bytes and the size:
+    the content hash that block hashes and an embedding cache key on."""
+
+    digest: bytes
+    start: int
+    length: int
+    data: bytes
+    format: str  # "png" | "jpeg" | "gif" | "webp"
+    width: int  # after preprocessing (the V4.1 size, whole 14-px patches)
+    height: int
+    detail: str = "high"  # "low" | "high" | "original" | "auto"
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
     model: str
@@ -81,6 +102,7 @@ class GenerateRequest:
     # message ids and a worker tells a redelivered older job from a new one.
     output_offset: int = 0
     migration: int = 0
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order; their spans hold image tokens
 
     @property
     def remaining_tokens(self) -> int:

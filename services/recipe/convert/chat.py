@@ -14,7 +14,7 @@ from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ResponseFormat
-from services.recipe.convert import common, structured
+from services.recipe.convert import common, images, structured
 from services.recipe.convert.options import ConvertOptions, Encoding
 from services.recipe.convert.serde import (
     F32,
@@ -194,7 +194,8 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
         raise ConversionError("response_format should not be used with tools")
     sampling = _sampling(req, stop, thinking, options)
     sampling.reasoning_budget = req.thinking.budget_tokens if req.thinking else None
-    common.refuse_media(_first_media(req.messages), req.model)
+    if encoding != "v41":
+        common.refuse_media(_first_media(req.messages), req.model)
     messages = [m for m in messages if m.role != "system" or m.content]  # empty system messages say nothing
     conv = common.conversation(messages, tools, choice, thinking, req.reasoning_effort, fmt)
     prepared = common.prepared(
@@ -257,13 +258,34 @@ def _sampling(req: ChatCompletionRequest, stop: list[str], thinking: bool, optio
     )
 
 
-def _text(content: list[tuple[str, Any]] | str | None, encoding: Encoding) -> str:
+def _text(content: list[tuple[str, Any]] | str | None, encoding: Encoding, i: int) -> tuple[str, cv.Images]:
+    """Parts joined by blank lines; an image is "[Unsupported Image]" for V4, a placeholder and a source for V4.1."""
     if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for kind, part in content:
-        parts.append(part["text"] if kind == "text" else UNSUPPORTED_IMAGE)
-    return "\n\n".join(parts)
+        return content or "", cv.NO_IMAGES
+    if encoding != "v41":
+        text = "\n\n".join(part["text"] if kind == "text" else UNSUPPORTED_IMAGE for kind, part in content)
+        return text, cv.NO_IMAGES
+    pieces: list[images.Piece] = []
+    for j, (kind, part) in enumerate(content):
+        if kind == "text":
+            pieces.append(part["text"])
+        elif kind == "file":  # the reference's V4.1 reads no file part
+            raise ConversionError(f".messages[{i}]: file must have a file_id or file_data")
+        else:
+            url = part["image_url"]
+            pieces.append(images.image_url(url["url"], url["detail"], f".messages[{i}]",
+                                           f".messages[{i}].image_url.url[{j}]: image_url.url"))
+    return images.join(pieces)
+
+
+def _assistant_text(content: list[tuple[str, Any]] | str | None, encoding: Encoding, i: int) -> str:
+    if encoding == "v41" and isinstance(content, list):
+        for kind, _ in content:
+            if kind == "file":
+                raise ConversionError(f".messages[{i}]: file must have a file_id or file_data")
+            if kind == "image_url":
+                raise ConversionError("Image in assistant message is not supported")
+    return _text(content, "v4" if encoding == "v41" else encoding, i)[0]
 
 
 def _messages(
@@ -280,11 +302,12 @@ def _messages(
         if role == "assistant":
             msg = _assistant(i, m, thinking, encoding, options)
         elif role == "tool":
-            msg = cv.tool(_text(m["content"], encoding), m["tool_call_id"])
-        elif role == "developer":
-            msg = Message(common.developer_role(encoding), _text(m["content"], encoding))
+            text, shown = _text(m["content"], encoding, i)
+            msg = cv.tool(text, m["tool_call_id"], shown)
         else:
-            msg = Message(role, _text(m["content"], encoding))  # type: ignore[arg-type]
+            text, shown = _text(m["content"], encoding, i)
+            kind = common.developer_role(encoding) if role == "developer" else role
+            msg = Message(kind, text, images=shown[0], image_at=shown[1])  # type: ignore[arg-type]
         pending = _answer(pending, msg, i, answered)
         out.append(msg)
     if pending:
@@ -317,7 +340,7 @@ def _assistant(i: int, m: dict[str, Any], thinking: bool, encoding: Encoding, op
         if not options.fill_missing_reasoning:
             raise ConversionError("The `reasoning_content` in the thinking mode must be passed back to the API.")
         reasoning = ""
-    return cv.assistant(_text(m["content"], encoding), reasoning, calls, prefix=bool(m["prefix"]))
+    return cv.assistant(_assistant_text(m["content"], encoding, i), reasoning, calls, prefix=bool(m["prefix"]))
 
 
 def _answer(pending: list[str] | None, msg: Message, i: int, answered: set[str]) -> list[str] | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message
-from services.recipe.convert import common, structured
+from services.recipe.convert import common, images, structured
 from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.serde import (
     F32,
@@ -209,7 +209,8 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     # max_tokens, is not checked): it closes the reasoning after that many tokens (service.sampling_params)
     sampling = common.Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop,
                                reasoning_budget=req.thinking.budget_tokens if req.thinking else None)
-    common.refuse_media(_first_media(req.messages), req.model)
+    if encoding != "v41":
+        common.refuse_media(_first_media(req.messages), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, cv.TEXT)
     prepared = common.prepared("messages", req.model, encoding, conv, sampling, stream=bool(req.stream))
     if req.tool_choice and req.tool_choice[0] == "any":
@@ -298,6 +299,19 @@ def _choice(
     return picked, "required"
 
 
+def _block_piece(kind: str, block: dict[str, Any], encoding: str, path: str, where: str = "") -> images.Piece:
+    """A block as a message part: V4.1 reads an image block's source (`path` locates the image for the
+    resolver, `where` the block in conversion errors; the same but in tool results)."""
+    if kind != "image" or encoding != "v41":
+        return _block_text(kind, block)
+    source_kind, source = block["source"]
+    if source_kind == "base64":
+        return images.base64_block(source["media_type"], source["data"], path, where or path)
+    if source_kind == "url":
+        return images.url_block(source["url"], path, where or path)
+    return _block_text(kind, block)
+
+
 def _block_text(kind: str, block: dict[str, Any]) -> str:
     if kind == "text":
         return block["text"]
@@ -323,7 +337,7 @@ def _messages(
         if role == "assistant":
             if i > 0 and _calls_of(raw[i - 1]):
                 _check_results(i - 1, raw)
-            out.append(_assistant(i, blocks, thinking, options))
+            out.append(_assistant(i, blocks, thinking, options, encoding))
         else:
             out.extend(_user(i, role, blocks, raw, tool_names, encoding))
             if i > 0 and _calls_of(raw[i - 1]):  # after this message's own result checks
@@ -333,7 +347,9 @@ def _messages(
     return out
 
 
-def _assistant(i: int, blocks: list[tuple[str, dict[str, Any]]], thinking: bool, options: ConvertOptions) -> Message:
+def _assistant(
+    i: int, blocks: list[tuple[str, dict[str, Any]]], thinking: bool, options: ConvertOptions, encoding: str,
+) -> Message:
     reasoning: list[str] = []
     texts: list[str] = []
     calls: list[cv.ToolCall] = []
@@ -355,6 +371,9 @@ def _assistant(i: int, blocks: list[tuple[str, dict[str, Any]]], thinking: bool,
                 "Each `tool_use` block must have a corresponding `tool_result` block in the next message."
             )
         else:
+            if kind == "image" and encoding == "v41":  # its source is read (and may be refused) first
+                _block_piece(kind, b, encoding, f"messages.{i}.content[{j}]")
+                raise ConversionError("Image in assistant message is unsupported")
             texts.append(_block_text(kind, b))
     text_reasoning: str | None = "\n\n".join(reasoning) if reasoning else None
     if not thinking:
@@ -403,7 +422,7 @@ def _user(
     out: list[Message] = []
     prev_calls = _calls_of(raw[i - 1]) if i > 0 else []
     seen: set[str] = set()
-    texts: list[str] = []
+    texts: list[images.Piece] = []
     for j, (kind, b) in enumerate(blocks):
         if kind == "tool_use":
             raise ConversionError(f"messages.{i}: `tool_use` blocks can only be in `assistant` messages")
@@ -426,17 +445,20 @@ def _user(
                     "Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
                 )
             seen.add(call_id)
-            out.append(cv.tool(_result_text(i, j, b["content"], tool_names), call_id))
+            text, shown = _result_text(i, j, b["content"], tool_names, encoding)
+            out.append(cv.tool(text, call_id, shown))
         elif kind == "tool_addition":
             continue
         else:
-            texts.append(_block_text(kind, b))
+            # a system message's images are located by the message, a user block by itself (as the reference)
+            where = f"messages.{i}" if role == "system" else f"messages.{i}.content[{j}]"
+            texts.append(_block_piece(kind, b, encoding, where))
     if role == "system":
-        text = "\n\n".join(texts)
+        text, shown = images.join(texts)
         if encoding == "v41":  # V4.1 has system turns; V4 gets the instruction as a tagged user message
-            return [*out, cv.system(text)]
+            return [*out, cv.system(text, shown)]
         return [*out, cv.user(f"<system-reminder>\n{text}\n</system-reminder>")] if text else out
-    return [*out, *(cv.user(t) for t in texts)]
+    return [*out, *(cv.user(*images.join([t])) for t in texts)]
 
 
 def _only_results(message: tuple[str, Any]) -> bool:
@@ -451,15 +473,16 @@ def _calls_of(message: tuple[str, Any]) -> list[str]:
     return [b["id"] for kind, b in content if kind == "tool_use"]
 
 
-def _result_text(i: int, j: int, content: Any, tool_names: set[str]) -> str:
+def _result_text(i: int, j: int, content: Any, tool_names: set[str], encoding: str) -> tuple[str, cv.Images]:
     if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for kind, b in content:
+        return content or "", cv.NO_IMAGES
+    parts: list[images.Piece] = []
+    for k, (kind, b) in enumerate(content):
         if kind == "tool_reference":
             if b["tool_name"] not in tool_names:
                 raise ConversionError(f"messages.{i}.content.{j}: tool reference '{b['tool_name']}' not found in "
                                       "available tools")
             continue
-        parts.append(_block_text(kind, b))
-    return "\n\n".join(parts)
+        where = f"messages.{i}.content.{j}.tool_result"
+        parts.append(_block_piece(kind, b, encoding, where, f"{where}.content[{k}]"))
+    return images.join(parts)

@@ -161,7 +161,8 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     if fmt_value is not None and fmt_value[0] != "text" and any(t.strict for t in tools):
         raise ConversionError("response_format should not be used with tools")
     sampling = _sampling(req, thinking, options)
-    common.refuse_media(_first_media(req.input), req.model)
+    if encoding != "v41":
+        common.refuse_media(_first_media(req.input), req.model)
     conv = common.conversation(messages, tools, choice, thinking, effort, fmt)
     echo = {
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

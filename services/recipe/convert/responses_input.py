@@ -17,6 +17,7 @@ from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import Message, ToolCall
+from services.recipe.convert import images
 from services.recipe.convert.common import developer_role
 from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.serde import Any_, Custom, Enum, Field, Opt, Seq, Str, Struct, Tagged, invalid_type
@@ -117,6 +118,47 @@ def _text(content: list[tuple[str, Any]] | str) -> str:
     return "\n\n".join(p["text"] if kind in _TEXT_PARTS else _PLACEHOLDERS[kind] for kind, p in content)
 
 
+def _content(content: list[tuple[str, Any]] | str, encoding: str, i: int, key: str) -> tuple[str, cv.Images]:
+    """A message's (or an output's) parts: V4 as `_text`; V4.1 images become placeholders and sources, checked
+    as the reference checks them (`key` names the list in error locations: "content" or "output")."""
+    if encoding != "v41" or isinstance(content, str):
+        return _text(content), cv.NO_IMAGES
+    for j, (kind, p) in enumerate(content):  # every part's shape first, then the URLs (the reference's order)
+        if kind == "input_image":
+            _check_image_part(p, f"input[{i}].{key}[{j}]")
+    pieces: list[images.Piece] = []
+    for j, (kind, p) in enumerate(content):
+        if kind != "input_image":
+            pieces.append(p["text"] if kind in _TEXT_PARTS else _PLACEHOLDERS[kind])
+            continue
+        where = f"input[{i}].{key}[{j}]"
+        pieces.append(images.image_url(p["image_url"], p["detail"], f"input[{i}]", f"{where}: image_url"))
+    return images.join(pieces)
+
+
+def _check_image_part(p: dict[str, Any], where: str) -> None:
+    """One URL or one file id (an empty URL counts as none); a file id is refused, a long URL too."""
+    url = p["image_url"] or None
+    if url is not None and p["file_id"] is not None:
+        raise ConversionError(f"{where}: input_image cannot have both image_url and file_id")
+    if url is None and p["file_id"] is None:
+        raise ConversionError(f"{where}: input_image must have image_url or file_id")
+    if url is None:
+        raise ConversionError(f"{where}: file_id is not supported. Pass the image as a base64 data url instead.")
+    images.check_url_length(url, f"{where}: image_url")
+
+
+def _assistant_text(content: list[tuple[str, Any]] | str, encoding: str, i: int) -> str:
+    """V4.1 refuses an image in assistant content, once each image part is well formed (the URL unread)."""
+    if encoding == "v41" and not isinstance(content, str):
+        found = [(j, p) for j, (kind, p) in enumerate(content) if kind == "input_image"]
+        for j, p in found:
+            _check_image_part(p, f"input[{i}].content[{j}]")
+        if found:
+            raise ConversionError(f"input[{i}]: Image in assistant message is unsupported")
+    return _text(content)
+
+
 class _Turn:
     """The assistant side of a turn being gathered: reasoning, then answer text, then calls and their outputs.
     Calls keep joining the turn while some are unanswered; once all are answered, a new call opens a new turn."""
@@ -125,7 +167,7 @@ class _Turn:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
-        self.outputs: dict[str, str] = {}
+        self.outputs: dict[str, tuple[str, cv.Images]] = {}
 
     def unanswered(self) -> list[str]:
         return sorted(c.id for c in self.calls if c.id not in self.outputs)
@@ -140,7 +182,7 @@ class _Turn:
             reasoning = ""
         calls = sorted(self.calls, key=lambda c: c.id)  # the reference keys a turn's calls by id
         answer = cv.assistant("\n\n".join(self.content), reasoning, tuple(calls) or None)
-        return [answer, *(cv.tool(self.outputs[c.id], c.id) for c in calls)]
+        return [answer, *(cv.tool(self.outputs[c.id][0], c.id, self.outputs[c.id][1]) for c in calls)]
 
 
 def input_messages(
@@ -180,7 +222,7 @@ def input_messages(
             if turn is None or call_id not in turn.unanswered():
                 raise ConversionError(f"No tool call found for tool output with call_id {call_id}.")
             answered.add(call_id)
-            turn.outputs[call_id] = _text(f["output"] or "")
+            turn.outputs[call_id] = _content(f["output"] or "", encoding, i, "output")
             continue
         if kind in ("function_call", "custom_tool_call"):
             if not f["call_id"]:
@@ -212,12 +254,14 @@ def input_messages(
             if turn is not None and turn.calls:
                 close()
             turn = turn or _Turn()
-            text = _text(f["content"])
+            text = _assistant_text(f["content"], encoding, i)
             if text:
                 turn.content.append(text)
             continue
         close()
-        out.append(Message(developer_role(encoding) if role == "developer" else role, _text(f["content"])))
+        text, shown = _content(f["content"], encoding, i, "content")
+        kind = developer_role(encoding) if role == "developer" else role
+        out.append(Message(kind, text, images=shown[0], image_at=shown[1]))
     if turn is not None and turn.unanswered():
         raise ConversionError(f"No tool output found for tool call {turn.unanswered()[0]}.")
     close()

@@ -20,7 +20,18 @@ from dataclasses import dataclass
 
 from services.recipe.conversation import Conversation, Message, ReasoningEffort, ToolCall
 from services.recipe.formats import dsml
-from services.recipe.formats.dsml import ASSISTANT, BOS, DSML, END_THINK, EOS, LATEST_REMINDER, SYSTEM, THINK, USER
+from services.recipe.formats.dsml import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    END_THINK,
+    EOS,
+    IMAGE,
+    LATEST_REMINDER,
+    SYSTEM,
+    THINK,
+    USER,
+)
 from services.recipe.formats.jsontext import dumps
 from services.recipe.formats.prompt import PromptBuilder, RenderedPrompt
 from services.recipe.prepared import ToolSpec
@@ -101,7 +112,7 @@ class V4:
         if i == 0:
             self._opening(out, ctx.conv, msg)
         if msg.role == "system":
-            self._system(out, msg, i)
+            self._system(out, ctx, msg, i)
             if i == 0:
                 self._system_tail(out, ctx)
         elif msg.role in ("user", "tool"):
@@ -115,7 +126,12 @@ class V4:
                 out.text("\n\n")
             else:
                 out.special(USER)
-            out.text(msg.content if msg.role == "user" else f"<tool_result>{msg.content}</tool_result>")
+            if msg.role == "user":
+                self._content(out, ctx, msg)
+            else:
+                out.text("<tool_result>")
+                self._content(out, ctx, msg)
+                out.text("</tool_result>")
         elif msg.role == "latest_reminder":
             out.special(LATEST_REMINDER)
             out.text(msg.content)
@@ -150,8 +166,17 @@ class V4:
         texts = {"low": "", "high": dsml.V4_EFFORT_HIGH, "xhigh": dsml.V4_EFFORT_HIGH, "max": dsml.V4_EFFORT_MAX}
         return texts[effort]
 
-    def _system(self, out: PromptBuilder, msg: Message, i: int) -> None:
+    def _system(self, out: PromptBuilder, ctx: _Render, msg: Message, i: int) -> None:
         out.text(msg.content)
+
+    def _content(self, out: PromptBuilder, ctx: _Render, msg: Message) -> None:
+        """A message's text, its image placeholders (V4.1) as control tokens."""
+        pos = 0
+        for start, source in zip(msg.image_at, msg.images, strict=True):
+            out.text(msg.content[pos:start])
+            out.image(IMAGE, source)
+            pos = start + len(IMAGE)
+        out.text(msg.content[pos:])
 
     def _system_tail(self, out: PromptBuilder, ctx: _Render) -> None:
         if ctx.tools:
@@ -190,14 +215,18 @@ class V4:
 
 
 def _merge_users(messages: list[Message], *, skip_empty: bool) -> list[Message]:
-    """Consecutive user messages become one, joined by blank lines (V4 leaves empty ones out of the join)."""
+    """Consecutive user messages become one, joined by blank lines (V4 leaves empty ones out of the join); their
+    images (V4.1) carry over, the placeholder offsets shifted by what precedes them."""
     out: list[Message] = []
     for msg in messages:
         if msg.role == "user" and out and out[-1].role == "user":
-            parts = [out[-1].content, msg.content]
+            prev = out[-1]
+            parts = [prev.content, msg.content]
             if skip_empty:
                 parts = [p for p in parts if p]
-            out[-1] = Message("user", "\n\n".join(parts))
+            shift = len(prev.content) + 2 if len(parts) == 2 else 0
+            out[-1] = Message("user", "\n\n".join(parts), images=prev.images + msg.images,
+                              image_at=prev.image_at + tuple(shift + p for p in msg.image_at))
         else:
             out.append(msg)
     return out
@@ -308,10 +337,10 @@ class V41(V4):
             return ""
         return dsml.V41_EFFORT.format(budget=dsml.V41_EFFORT_BUDGETS[conv.reasoning_effort or "high"])
 
-    def _system(self, out: PromptBuilder, msg: Message, i: int) -> None:
+    def _system(self, out: PromptBuilder, ctx: _Render, msg: Message, i: int) -> None:
         if i:
             out.special(SYSTEM)
-        out.text(msg.content)
+        self._content(out, ctx, msg)
 
     def _joins_result(self, prev: Message | None) -> bool:
         return prev is not None and prev.role in ("user", "tool")

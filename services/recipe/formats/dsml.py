@@ -36,6 +36,7 @@ THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
 BLOCK_LEAD = "\n\n"  # what comes between the answer text and a tool-call block
+IMAGE = "<｜image｜>"  # V4.1: an image placeholder (never in CONTROL_TOKENS: template prose has none)
 CONTROL_TOKENS = (BOS, EOS, USER, ASSISTANT, SYSTEM, LATEST_REMINDER, THINK, END_THINK, DSML)
 
 V4_EFFORT_HIGH = (

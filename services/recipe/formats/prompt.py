@@ -16,11 +16,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.recipe.images.sources import ImageSource
+
 
 @dataclass(frozen=True)
 class RenderedPrompt:
     prompt: str
     special_ranges: tuple[tuple[int, int], ...]  # ascending, disjoint [start, end) str offsets, one token each
+    images: tuple[ImageSource, ...] = ()  # V4.1: the images of the image placeholders, in prompt order
 
     def pieces(self) -> Iterable[tuple[str, bool]]:
         """(text, is_control_token) in order; the plain stretches are maximal (as encoding needs them)."""
@@ -41,6 +44,7 @@ class PromptBuilder:
         self._markup = re.compile("|".join(re.escape(s) for s in ordered))
         self._parts: list[str] = []
         self._ranges: list[tuple[int, int]] = []
+        self._images: list[ImageSource] = []
         self._len = 0
 
     def text(self, value: str) -> None:
@@ -52,6 +56,11 @@ class PromptBuilder:
         self._ranges.append((self._len, self._len + len(token)))
         self.text(token)
 
+    def image(self, placeholder: str, source: ImageSource) -> None:
+        """An image's placeholder: a control token that stands for the image's tokens."""
+        self.special(placeholder)
+        self._images.append(source)
+
     def markup(self, template: str) -> None:
         """The template's own text: its control-token spellings are control tokens."""
         pos = 0
@@ -62,4 +71,4 @@ class PromptBuilder:
         self.text(template[pos:])
 
     def build(self) -> RenderedPrompt:
-        return RenderedPrompt("".join(self._parts), tuple(self._ranges))
+        return RenderedPrompt("".join(self._parts), tuple(self._ranges), tuple(self._images))
