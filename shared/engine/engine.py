@@ -482,7 +482,9 @@ class Engine:
     def memory(self) -> memory.MemoryReport:
         """Weights, KV pool and the tokens of context it holds (the worker logs it once, at load)."""
         state = 2 * self.max_running * self.spec.per_request_state_bytes if self.has_request_state else 0
-        return memory.MemoryReport(memory.held_bytes(self.model), self.blocks.num_blocks * self.spec.bytes_per_block,
+        # a model that keeps its weights apart (V4) has other tensors beside them (its expert counts): not weights
+        weights = getattr(self.model, "weights", self.model)
+        return memory.MemoryReport(memory.held_bytes(weights), self.blocks.num_blocks * self.spec.bytes_per_block,
                                    self.blocks.num_blocks, self.block_tokens, state, self.context_cap)
 
     def activation_peak(self) -> int:

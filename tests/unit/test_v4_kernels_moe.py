@@ -158,9 +158,9 @@ def test_model_with_fused_moe_matches_torch_path(checkpoint: Path, monkeypatch: 
     want = v4_checkpoints.batched_logits(Engine(str(checkpoint), kv_blocks=16), seqs, steps)
     calls = []
 
-    def fused(s, layer, x, input_ids, triton=False):
+    def fused(s, layer, x, input_ids, triton=False, counts=None, real=None):
         calls.append(x.shape[0])
-        return moe(s, layer, x, input_ids, triton=True)
+        return moe(s, layer, x, input_ids, True, counts, real)
 
     monkeypatch.setattr(model_module, "moe", fused)
     got = v4_checkpoints.batched_logits(Engine(str(checkpoint), kv_blocks=16), seqs, steps)

@@ -180,9 +180,9 @@ def test_quantized_model_matches_dequantized(hub: Path, monkeypatch: pytest.Monk
     assert isinstance(model.layers[0].wo_a, Fp8Weight)
     calls = []
 
-    def fused(s, layer, x, input_ids, triton=False):
+    def fused(s, layer, x, input_ids, triton=False, counts=None, real=None):
         calls.append(type(layer.experts.w13))
-        return moe(s, layer, x, input_ids, triton=True)
+        return moe(s, layer, x, input_ids, True, counts, real)
 
     monkeypatch.setattr(model_module, "moe", fused)
     got = v4_checkpoints.batched_logits(engine, seqs, steps)
