@@ -320,6 +320,20 @@ def counted_sampling(temperature: float) -> SamplingParams:
                           frequency_penalty=0.9, repetition_penalty=1.3, logit_bias={201: 4.0, 5: -100.0})
 
 
+def _handed_over(loaded: LoadedModel, prompt: list[int], sampling: SamplingParams,
+                 tokens: int) -> tuple[Engine, Engine, list[int], list[int]]:
+    """One request split as the mesh splits it: a prefill engine samples output position 0 and exports the
+    prompt's blocks; a second engine decodes the other `tokens - 1` from output_offset 1 on those blocks."""
+    prefill = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    first = run_to_completion(prefill, [EngineRequest("r", prompt, sampling, 1, hold_kv=True)])["r"]
+    blobs = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
+    prefill.release("r")
+    decode = Engine(loaded, dtype=torch.float32, kv_blocks=32)
+    rest = run_to_completion(decode, [EngineRequest("r", prompt + first, sampling, tokens - 1, output_offset=1,
+                                                    prefix_blocks=blobs, prefix_tokens=len(prompt))])["r"]
+    return prefill, decode, first, rest
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
 def test_prefill_to_decode_hand_over_keeps_min_tokens_and_the_penalty(loaded: LoadedModel,
                                                                         temperature: float) -> None:
@@ -330,13 +344,7 @@ def test_prefill_to_decode_hand_over_keeps_min_tokens_and_the_penalty(loaded: Lo
     one = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
                             [EngineRequest("r", prompt, sampling, 20)])["r"]
     assert len(one) == 7 and len(set(one[:-1])) == 6 and not set(one[:-1]) & set(prompt)
-    prefill = Engine(loaded, dtype=torch.float32, kv_blocks=32)
-    first = run_to_completion(prefill, [EngineRequest("r", prompt, sampling, 1, hold_kv=True)])["r"]
-    blobs = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
-    prefill.release("r")
-    decode = Engine(loaded, dtype=torch.float32, kv_blocks=32)
-    rest = run_to_completion(decode, [EngineRequest("r", prompt + first, sampling, 19, output_offset=1,
-                                                    prefix_blocks=blobs, prefix_tokens=len(prompt))])["r"]
+    prefill, decode, first, rest = _handed_over(loaded, prompt, sampling, 20)
     assert first + rest == one
     assert not prefill.processors.slots and not decode.processors.slots  # every token set freed
 
@@ -350,13 +358,7 @@ def test_output_counts_survive_the_hand_over_and_a_migration(loaded: LoadedModel
     one = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
                             [EngineRequest("r", prompt, sampling, n)])["r"]
     assert 5 not in one
-    prefill = Engine(loaded, dtype=torch.float32, kv_blocks=32)
-    first = run_to_completion(prefill, [EngineRequest("r", prompt, sampling, 1, hold_kv=True)])["r"]
-    blobs = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
-    prefill.release("r")
-    decode = Engine(loaded, dtype=torch.float32, kv_blocks=32)
-    rest = run_to_completion(decode, [EngineRequest("r", prompt + first, sampling, n - 1, output_offset=1,
-                                                    prefix_blocks=blobs, prefix_tokens=len(prompt))])["r"]
+    prefill, decode, first, rest = _handed_over(loaded, prompt, sampling, n)
     assert first + rest == one
     k = 6
     resumed = run_to_completion(decode, [EngineRequest("m", prompt + one[:k], sampling, n - k, output_offset=k)])
@@ -448,13 +450,7 @@ def test_the_reasoning_budget_counts_across_the_hand_over(loaded: LoadedModel, t
     one = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
                             [EngineRequest("r", prompt, sampling, 6)])["r"]
     assert one[2] == end and one.count(end) == 1
-    prefill = Engine(loaded, dtype=torch.float32, kv_blocks=32)
-    first = run_to_completion(prefill, [EngineRequest("r", prompt, sampling, 1, hold_kv=True)])["r"]
-    blobs = prefill.export_blocks("r", 0, -(-len(prompt) // prefill.block_tokens))
-    prefill.release("r")
-    decode = Engine(loaded, dtype=torch.float32, kv_blocks=32)
-    rest = run_to_completion(decode, [EngineRequest("r", prompt + first, sampling, 5, output_offset=1,
-                                                    prefix_blocks=blobs, prefix_tokens=len(prompt))])["r"]
+    *_, first, rest = _handed_over(loaded, prompt, sampling, 6)
     assert first + rest == one
     # a migration after the end was forced: the continuation's output (in its prompt) already holds it
     cont = run_to_completion(Engine(loaded, dtype=torch.float32, kv_blocks=32),
