@@ -77,7 +77,7 @@ class AsyncEngine:
 
     async def export_into(self, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:
         """Blocks base + [lo, hi) of a request into each part's buffer, in one engine call."""
-        await self.call(_export_parts, self.engine, request_id, base, parts)
+        await self.call(self.engine.export_parts, request_id, base, parts)
 
     async def export_device(self, request_id: str, blocks: int, state: bytes, nbytes: int) -> torch.Tensor:
         """Blocks [0, blocks) of a request, then `state`, back to back in a new uint8 buffer of `nbytes` (the rest
@@ -192,6 +192,3 @@ def _export_device(engine: Engine, request_id: str, blocks: int, state: bytes, n
     return buf
 
 
-def _export_parts(engine: Engine, request_id: str, base: int, parts: list[tuple[int, int, memoryview]]) -> None:
-    for lo, hi, out in parts:
-        engine.export_into(request_id, base + lo, base + hi, out)

@@ -35,7 +35,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.config import ModelConfig
 from shared.engine.drafters import Drafter, make_drafter, needs_hidden
 from shared.engine.grammar import Grammars, vocabulary
-from shared.engine.kv_cache import HostBuffer, KVCache
+from shared.engine.kv_cache import HostBuffer, KVCache, export_staged
 from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
@@ -346,6 +346,12 @@ class Engine:
         """Blocks [start, end) as export_blocks gives them, one after another into `out` (writable,
         (end - start) * block_bytes bytes: an arena slot, a pinned buffer), with one copy."""
         self.kv.export_run(self._exported(request_id, start, end), out)
+
+    def export_parts(self, request_id: str, base: int, parts: Seq[tuple[int, int, HostBuffer]]) -> None:
+        """Blocks base + [lo, hi) into each part's buffer (a put round's arena slots), as export_into each, but a
+        GPU gathers them in a few large pieces and waits once (kv_cache.export_staged)."""
+        runs = [(self._exported(request_id, base + lo, base + hi), out) for lo, hi, out in parts]
+        export_staged(self.kv.export_run, runs, self.kv.block_bytes, self.device)
 
     def _exported(self, request_id: str, start: int, end: int) -> list[int]:
         """The cache blocks behind blocks [start, end) of a request, checked to hold computed KV."""

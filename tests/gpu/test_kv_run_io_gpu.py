@@ -74,3 +74,21 @@ def test_scattered_blobs_import_through_few_staging_buffers_exactly(make, monkey
     gpu.write_blocks(targets, mixed)
     cpu_dst.write_blocks(targets, mixed)
     assert gpu.read_blocks(list(range(12))) == cpu_dst.read_blocks(list(range(12)))
+
+
+@pytest.mark.parametrize("make", [_llama, _v4], ids=["llama", "v4"])
+def test_a_put_rounds_parts_export_through_few_staging_buffers_exactly(make) -> None:
+    """A put round exports a prompt into many arena slots: a GPU gathers them into device buffers
+    (kv_cache.export_staged), here smaller than the round, and each slot gets the bytes the CPU layout gives
+    its blocks, pinned and pageable slots alike."""
+    from shared.engine.kv_cache import export_staged
+
+    cpu = make(12)
+    gpu, bb = _to(cpu, torch.device("cuda")), cpu.block_bytes
+    runs = [[4, 1, 5], [0], [11, 2], [7, 8, 9, 3]]
+    outs = [torch.empty(3 * bb, dtype=torch.uint8, pin_memory=True), bytearray(bb),
+            torch.empty(2 * bb, dtype=torch.uint8, pin_memory=True), memoryview(bytearray(4 * bb))]
+    export_staged(gpu.export_run, list(zip(runs, outs)), bb, torch.device("cuda"), max_bytes=4 * bb)
+    for blocks, out in zip(runs, outs):
+        got = out.numpy().tobytes() if isinstance(out, torch.Tensor) else bytes(out)
+        assert got == b"".join(cpu.read_blocks(blocks))
