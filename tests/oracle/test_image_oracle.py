@@ -78,7 +78,7 @@ def encoded(fmt: str, width: int, height: int, channels: int) -> bytes:
 # --- the token specification -------------------------------------------------------------------------------
 
 
-@settings(max_examples=600, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.integers(1, 40_000), st.integers(1, 40_000))
 def test_token_count_is_the_oracles(width: int, height: int) -> None:
     try:

@@ -185,7 +185,7 @@ def check_request(api: str, body: dict[str, Any], tokenizer: Path) -> None:
     assert [r.length for r in records] == [dr.MultiModalData([i]).image_token_adjustment() + 1 for i in data.images]
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(sorted(BODIES)), st.data())
 def test_image_requests_are_the_oracles(v41_tokenizer: Path, api: str, data: st.DataObject) -> None:

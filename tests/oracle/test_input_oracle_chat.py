@@ -108,7 +108,7 @@ def _tool(g: Gen, name: str, strict: bool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-@settings(max_examples=400, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(chat_requests())
 def test_generated_chat_requests_match_the_oracle(body: dict[str, Any]) -> None:
     difference = compare_request("chat", body)

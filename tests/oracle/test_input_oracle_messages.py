@@ -108,7 +108,7 @@ def messages_requests(draw: Any) -> dict[str, Any]:
     return body
 
 
-@settings(max_examples=400, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(messages_requests())
 def test_generated_messages_requests_match_the_oracle(body: dict[str, Any]) -> None:
     difference = compare_request("messages", body)

@@ -67,7 +67,7 @@ def to_oracle(conv: cv.Conversation) -> Any:
                            reasoning_effort=conv.reasoning_effort, **formats)
 
 
-@settings(max_examples=400, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(conversations())
 def test_generated_conversations_render_and_encode_as_the_oracle(conv: cv.Conversation) -> None:
     difference = compare_prompts(to_oracle(conv), conv)

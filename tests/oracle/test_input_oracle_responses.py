@@ -122,7 +122,7 @@ def responses_requests(draw: Any) -> dict[str, Any]:
     return body
 
 
-@settings(max_examples=400, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(responses_requests())
 def test_generated_responses_requests_match_the_oracle(body: dict[str, Any]) -> None:
     difference = compare_request("responses", body)

@@ -47,10 +47,10 @@ ECHO_KEYS = ("instructions", "max_output_tokens", "reasoning", "temperature", "t
 NORMALISE = [(re.compile(r'"(created|created_at|completed_at)":\d+'), r'"\1":0'),
              (re.compile(r"call_\d\d_[A-Za-z0-9_-]+"), "call_ID")]
 USAGE = (1234, 321)  # prompt tokens, of which read from the cache
-SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # each logprob example spells every token's alternatives on both sides (about 60 ms a case on the CI's CPU): fewer
-LOGPROB_SETTINGS = settings(SETTINGS, max_examples=120)
+LOGPROB_SETTINGS = settings(SETTINGS, max_examples=60)
 
 
 def normalise(text: str) -> str:
