@@ -68,30 +68,30 @@ def flatten(conv: Conversation, model: TemplateModel) -> tuple[list[dict[str, An
         raise refuse("thinking mode is")
     native = model.template is not None and model.template.takes_tools
     out: list[dict[str, Any]] = []
+    results_at = -1  # the Hermes way: the user turn of the tool results just before (results in a row share it)
     for msg in conv.messages:
         if msg.role == "latest_reminder":
             raise refuse(f"{msg.role} messages are")
         if msg.reasoning_content:
             raise refuse("reasoning_content is")
-        if msg.role == "tool":
-            if native:
-                out.append({"role": "tool", "content": msg.content, "tool_call_id": msg.tool_call_id})
-            elif out and out[-1].get("tool_results"):  # results in a row share one user turn, as Qwen2.5's do
+        if msg.role == "tool" and not native:
+            if results_at == len(out) - 1 >= 0:
                 out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + hermes.response(msg.content)}
             else:
-                out.append({"role": "user", "content": hermes.response(msg.content), "tool_results": True})
+                out.append({"role": "user", "content": hermes.response(msg.content)})
+                results_at = len(out) - 1
+            continue
+        if msg.role == "tool":
+            out.append({"role": "tool", "content": msg.content, "tool_call_id": msg.tool_call_id})
+        elif msg.tool_calls and native:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.name, "arguments": call_arguments(c.arguments)}} for c in msg.tool_calls]
+            out.append({"role": "assistant", "content": msg.content, "tool_calls": calls})
         elif msg.tool_calls:
-            if native:
-                calls = [{"id": c.id, "type": "function",
-                          "function": {"name": c.name, "arguments": call_arguments(c.arguments)}}
-                         for c in msg.tool_calls]
-                out.append({"role": "assistant", "content": msg.content, "tool_calls": calls})
-            else:
-                written = "\n".join(hermes.call(c.name, c.arguments) for c in msg.tool_calls)
-                out.append({"role": "assistant", "content": f"{msg.content}\n{written}" if msg.content else written})
+            written = "\n".join(hermes.call(c.name, c.arguments) for c in msg.tool_calls)
+            out.append({"role": "assistant", "content": f"{msg.content}\n{written}" if msg.content else written})
         else:
             out.append({"role": msg.role, "content": msg.content})
-    out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
     if not conv.offers_tools:
         return out, None
     if native:
