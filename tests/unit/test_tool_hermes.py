@@ -268,6 +268,7 @@ def test_arguments_outside_the_schema_are_refused(grammars: Grammars, smol: Serv
 def test_markers_of_their_own_are_named_by_id() -> None:
     spec = json.loads(hermes_grammar.spec([WEATHER], "auto", 7, 8, parallel=False))["format"]
     assert spec["type"] == "token_triggered_tags" and spec["trigger_tokens"] == [7] and spec["stop_after_first"]
+    assert spec["exclude_tokens"] == [8]
     assert spec["tags"][0]["begin"] == {"type": "token", "token": 7} and spec["tags"][0]["end"]["token"] == 8
     text = json.loads(hermes_grammar.spec([WEATHER], "auto"))["format"]
     assert text["type"] == "triggered_tags" and text["triggers"] == ["<tool_call>"] and not text["stop_after_first"]
@@ -283,3 +284,57 @@ def test_a_text_chunk_answer_is_parsed_too(smol: ServedModel) -> None:
     proc.finish()
     body = json.loads(proc.body())["choices"][0]
     assert body["finish_reason"] == "tool_calls" and body["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+# --- markers of their own (Qwen2.5's <tool_call> / </tool_call> are added tokens) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A byte-level vocabulary with <|im_end|> as its control token and the call tags as plain added tokens."""
+    import tokenizers
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+    from shared.models import ModelFiles
+    from shared.tokenizer import load_tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken("<|im_end|>", special=True, normalized=False)])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in (hermes.CALL_OPEN, hermes.CALL_CLOSE)])
+    folder = tmp_path_factory.mktemp("qwen_like")
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return load_tokenizer(ModelFiles("q", "hf", folder))
+
+
+def test_markers_of_their_own_are_their_tokens_never_their_spelling(qwen_like: Tokenizer) -> None:
+    tk = qwen_like
+    open_id, close_id = tk.token_id(hermes.CALL_OPEN), tk.token_id(hermes.CALL_CLOSE)
+    assert open_id is not None and close_id is not None and {open_id, close_id} <= tk.markup_ids
+    g = Grammars(tk.vocab_size, lambda: vocabulary(tk.token_bytes, tk.is_special, tk.vocab_size, tk.markup_ids),
+                 torch.device("cpu"))
+    ids = tk.encode(CALL)
+    assert ids[0] == open_id and ids[-1] == close_id
+    spelled = tk.encode("<") + tk.encode("tool_call>") + ids[1:]
+    assert tk.decode(spelled) == CALL
+    for mode in ("required", "auto"):
+        c = Constraint("structural_tag", hermes_grammar.spec([WEATHER], mode, open_id, close_id), -1)
+        # spelled, the opening is text and the closing token may not follow in text: never an unconstrained call
+        for output, allowed in ((ids, True), (spelled, False), (tk.encode("It is sunny."), mode == "auto")):
+            g.add("q", c, sorted(tk.eos_ids), [])
+            state = g.states["q"]
+            assert (all(state.advance(t) for t in output) and state.advance(min(tk.eos_ids))) == allowed, mode
+            g.drop("q")
+    from services.recipe.parse import TokenTable
+
+    prepared = convert("chat", {"model": MODEL, "messages": ASK, "tools": OAI}, OPTIONS)
+    proc = OutputProcessor(prepared, response_id="r-3", created=0, tokens=TokenTable.from_tokenizer(tk))
+    proc.push(Ready(5))
+    for t in ids:
+        proc.push(Tokens([t]))
+    proc.push(Tokens([min(tk.eos_ids)]))
+    (call,) = json.loads(proc.body())["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}

@@ -10,7 +10,8 @@
 The prompt opens nothing (unlike DSML's required prompt), so required and must_call are one mode. Where the
 tokenizer has <tool_call> / </tool_call> as tokens of their own (Qwen2.5's added tokens, which the engine's
 vocabulary gives no text: see shared/engine/grammar.py MARKUP_PREFIX), the grammar names them by id; otherwise
-(SmolLM2) they are text, spelled by ordinary tokens. Each tool's part carries {"tool": NAME} (tag_grammar.py).
+(SmolLM2) they are text, spelled by ordinary tokens (and any spelling of <tool_call> triggers the call). Each
+tool's part carries {"tool": NAME} (tag_grammar.py).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ def spec(tools: Sequence[ToolSpec], mode: Mode, open_id: int | None = None, clos
     if mode != "auto":
         return structural_tag(seq(tag, star(seq(lit("\n"), tag))) if parallel else tag)
     if open_id is not None:
-        fmt: Format = {"type": "token_triggered_tags", "trigger_tokens": [open_id], "tags": [tag],
-                       "stop_after_first": not parallel}
+        # free text may not hold the closing token: the parser reads its spelling, so a call whose opening tag
+        # were spelled in ordinary tokens (no trigger) could otherwise close unconstrained
+        excludes = [close_id] if close_id is not None else []
+        fmt: Format = {"type": "token_triggered_tags", "trigger_tokens": [open_id], "exclude_tokens": excludes,
+                       "tags": [tag], "stop_after_first": not parallel}
     else:
         fmt = {"type": "triggered_tags", "triggers": [hermes.CALL_OPEN], "tags": [tag],
                "stop_after_first": not parallel}
