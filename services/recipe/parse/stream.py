@@ -64,7 +64,7 @@ def key_escape(text: str) -> str:
 class OutputParser:
     def __init__(self, spec: ParsingSpec, *, plain: bool = False, token_mode: bool = False,
                  hermes: bool = False) -> None:
-        """`plain`: a chat-template model (no reasoning, tools or JSON markup): text and stop strings only.
+        """`plain`: a chat-template model (no reasoning, DSML or JSON markup): text and stop strings only.
         `token_mode`: the output arrives as token ids (pieces from detok.TokenPieces): added tokens come as
         (symbol, spelling) pieces and match the markers, text pieces never spell one (see stages.py).
         `hermes` (plain only): the text's Hermes tool calls become call events (parse/hermes.py)."""
