@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -65,10 +66,15 @@ class ChatTemplate:
         old reading, --allow-control-tokens-in-user-text); by default they are text
         (`services.recipe.formats.chat_template.encode`)."""
         self.trusts_client_text = trusts_client_text
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            free = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise ValueError(f"chat template does not compile: {exc}") from None
+        # a template that reads `tools` renders them, past calls and tool results its own way (Qwen2.5, Hermes,
+        # Llama 3.1: HF's convention); one that does not gets them the Hermes way (formats/hermes.py)
+        self.takes_tools = "tools" in free
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
     def render(

@@ -20,7 +20,6 @@ Questions that generate nothing (tokenize, models, stored responses) are answere
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -36,7 +35,7 @@ from services.recipe.convert.fields import check_logit_bias, check_min_tokens
 from services.recipe.convert.limits import check_prompt, check_token_ids, resolve_max_tokens
 from services.recipe.emit.processor import OutputProcessor
 from services.recipe.errors import ApiError, ConversionError, api_error, error_for, openai_error
-from services.recipe.fanout import FanOut, choice_id, choice_seed
+from services.recipe.fanout import KEEPALIVE_S, FanOuts
 from services.recipe.flight import Flight, Output
 from services.recipe.images.fetch import FetchPolicy, HttpFetcher
 from services.recipe.images.limits import ImageQuota
@@ -60,7 +59,6 @@ from shared.schemas.responses import StoredResponse
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_S = 10.0  # see _emit
 BUS_LOST = "the mesh lost its message bus connection while the request was in flight; try again"
 
 SEED_BITS = 63  # drawn seeds fit a signed int64 everywhere they travel
@@ -117,8 +115,7 @@ class RecipeService:
         self._models: dict[str, ServedModel] = {}
         self._options = ConvertOptions(models={})  # the served models' names and formats, once loaded
         self._flights: dict[str, Flight] = {}  # by mesh request id (a fan-out's candidates by theirs)
-        self._fanouts: dict[str, FanOut] = {}  # requests of several choices, by the client's request id
-        self._choice_of: dict[str, FanOut] = {}  # a candidate's request id -> its fan-out
+        self._fans = FanOuts(self)  # requests of several choices (fanout.py: their I/O too)
         self._ledger = Ledger(admission or AdmissionLimits())
         self._token_subs: dict[str, Subscription] = {}
         self._prepare_sub: Subscription | None = None
@@ -133,6 +130,30 @@ class RecipeService:
         # a request is still there, and hands the request to another one if it dies (PrepareRequest.resume)
         self.boot = secrets.token_hex(8)
         self.takeovers = 0  # requests taken over from a recipe that died
+
+    # --- what the fan-outs use (fanout.Host) ------------------------------------------------------------------
+
+    @property
+    def bus(self) -> Bus:
+        assert self._bus is not None, "started"
+        return self._bus
+
+    @property
+    def max_migrations(self) -> int:
+        return self._max_migrations
+
+    async def track(self, flight: Flight, model: str, prompt_tokens: int) -> None:
+        """A request's state: its flight, its admission place (left in _drop) and its token subscription."""
+        rid = flight.request_id
+        self._flights[rid] = flight
+        self._ledger.enter(rid, model, prompt_tokens, time.monotonic())
+        self._token_subs[rid] = await self.bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
+
+    def drop(self, request_id: str) -> bool:
+        return self._drop(request_id)
+
+    async def emit(self, flight: Flight, out: Output) -> None:
+        await self._emit(flight, out)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 
@@ -196,13 +217,13 @@ class RecipeService:
     async def prepare(self, req: PrepareRequest) -> PrepareReply:
         if req.api not in APIS:
             return _refuse(openai_error(404, f"API {req.api!r} is not supported", code="unsupported_api"))
-        if req.request_id in self._flights or req.request_id in self._fanouts:
+        if req.request_id in self._flights or req.request_id in self._fans:
             if req.resume is None:
                 return _refuse(error_for(req.api, 409, f"request id {req.request_id} is already in flight"))
             # the gateway took this recipe for dead (silent, not gone): its copy goes, the takeover starts afresh
             self._drop(req.request_id)
-            if (fan := self._fanouts.get(req.request_id)) is not None:
-                await self._cancel_fan(fan, "recipe lost")
+            if (fan := self._fans.get(req.request_id)) is not None:
+                await self._fans.cancel(fan, "recipe lost")
         body: bytes | dict = req.body
         intent: StoreIntent | None = None
         if req.api == "responses":
@@ -320,7 +341,8 @@ class RecipeService:
         # tenants never share cached prefixes; within one, only requests with the same cache_salt do
         salt = req.tenant if not prepared.cache_salt else f"{req.tenant}\x00{prepared.cache_salt}"
         if inference.best_of > 1:
-            return await self._fan_out(req, prepared, model, prompt_ids, sampling, salt, created)
+            return await self._fans.launch(req, prepared, model, prompt_ids, sampling, salt, created,
+                                           _response_id(req, prepared))
         processor = OutputProcessor(
             prepared, response_id=_response_id(req, prepared), created=created, tokens=model.tokens,
             count_tokens=model.count_tokens,
@@ -328,10 +350,8 @@ class RecipeService:
         generate = GenerateRequest(rid, model.name, prompt_ids, sampling, cache_salt=salt, arrival=time.time())
         flight = Flight(rid, prepared, processor, time.monotonic(), generate, self._max_migrations,
                         epoch=resume.epoch if resume is not None else 0)
-        self._flights[rid] = flight
-        self._ledger.enter(rid, model.name, len(prompt_ids), time.monotonic())  # left in _drop
-        # Subscribe before submitting: the first token can come back before this reply does.
-        self._token_subs[rid] = await self._bus.subscribe(subjects.tokens(rid), TokenEvent, self._on_tokens)
+        await self.track(flight, model.name, len(prompt_ids))  # subscribed before submitting: the first token can
+        # come back before this reply does
         try:
             if resume is not None:
                 await self._take_over(flight, resume, len(prompt_ids))
@@ -352,107 +372,6 @@ class RecipeService:
         )
         return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids), recipe=self.boot,
                             seed=seed, created=created)
-
-    async def _fan_out(
-        self, req: PrepareRequest, prepared: PreparedRequest, model: ServedModel, prompt_ids: list[int],
-        sampling: SamplingParams, salt: str, created: int,
-    ) -> PrepareReply:
-        """n > 1 / best_of: one sub-request per candidate (fanout.py), each an ordinary mesh request with its own
-        Flight; choice 0 is submitted now, the others once its first token is back (they find the prompt's KV)."""
-        assert self._bus is not None
-        rid = req.request_id
-        if req.resume is not None:  # the gateway holds one stream's tokens, not several
-            return _refuse(error_for(prepared.api, 503, "a request with several choices cannot be resumed after "
-                                                        "its recipe was lost; try again"))
-        fan = FanOut(rid, prepared)
-        logprobs = 0 if sampling.logprobs is None and prepared.inference.best_of > prepared.inference.n else None
-        now = time.time()
-        for i in range(prepared.inference.best_of):
-            sub = choice_id(rid, i)
-            sp = dataclasses.replace(sampling, seed=choice_seed(sampling.seed or 0, i),
-                                     logprobs=sampling.logprobs if logprobs is None else logprobs)
-            generate = GenerateRequest(sub, model.name, prompt_ids, sp, cache_salt=salt, arrival=now)
-            processor = OutputProcessor(prepared, response_id=_response_id(req, prepared), created=created,
-                                        tokens=model.tokens, count_tokens=model.count_tokens, choice=i)
-            flight = Flight(sub, prepared, processor, time.monotonic(), generate, self._max_migrations)
-            fan.flights.append(flight)
-            fan.unsent.append(generate)
-            self._flights[sub] = flight
-            self._choice_of[sub] = fan
-            self._ledger.enter(sub, model.name, len(prompt_ids), time.monotonic())  # left in _drop
-            self._token_subs[sub] = await self._bus.subscribe(subjects.tokens(sub), TokenEvent, self._on_tokens)
-        self._fanouts[rid] = fan
-        first = fan.unsent.pop(0)
-        try:
-            await self._bus.submit(subjects.ROUTE_PREFILL, first, msg_id=first.request_id)
-        except Exception as exc:  # JetStream unavailable: nothing was queued, nothing to cancel
-            log.warning("%s: submit failed: %s", rid, exc)
-            self._end_fan(fan)
-            return _refuse(error_for(prepared.api, 503, "the model is not available right now, try again"))
-        if rid not in self._fanouts:  # cancelled while being submitted: the workers must drop it too
-            await self._bus.publish(subjects.CANCEL, Cancel(first.request_id, reason="cancelled"))
-        log.info("%s %s model=%s prompt=%d: %d choices of %d candidates (%s-c0...), seed=%d stream=%s", rid,
-                 prepared.api, model.name, len(prompt_ids), prepared.inference.n, prepared.inference.best_of, rid,
-                 sampling.seed, prepared.stream)
-        return PrepareReply(ok=True, stream=prepared.stream, prompt_tokens=len(prompt_ids), recipe=self.boot,
-                            seed=sampling.seed or 0, created=created)
-
-    async def _send_rest(self, fan: FanOut) -> None:
-        """Choice 0's prompt is computed (its first token came): the other candidates now reuse its KV."""
-        assert self._bus is not None
-        rest, fan.unsent = fan.unsent, []
-        try:
-            for generate in rest:
-                await self._bus.submit(subjects.ROUTE_PREFILL, generate, msg_id=generate.request_id)
-        except Exception as exc:  # JetStream unavailable: the response cannot be whole
-            log.warning("%s: submitting its other choices failed: %s", fan.request_id, exc)
-            flight = fan.flights[0]
-            await self._emit(flight, flight.fail(503, "the model is not available right now, try again", "error"))
-
-    async def _emit_choice(self, fan: FanOut, flight: Flight, out: Output) -> None:
-        """One candidate's output, merged into its request's (published on the request's own events subject)."""
-        assert self._bus is not None
-        sub = flight.request_id
-        if out.done:
-            self._drop(sub)
-        if out.cancel:
-            await self._bus.publish(subjects.CANCEL, Cancel(sub, reason=out.cancel))
-        merged = fan.take(flight, out)
-        if merged is None:
-            return
-        now = time.monotonic()
-        if merged.frames or merged.done or now - fan.last_published > KEEPALIVE_S:
-            fan.last_published = now
-            event = ApiEvent(
-                fan.request_id, fan.next_seq(), merged.frames, merged.done, merged.status, merged.body,
-                output_tokens=fan.output_tokens, cached_tokens=fan.flights[0].cached_tokens,
-                finish_reason=fan.finish_reason if merged.done and merged.status == 200 else "",
-            )
-            await self._bus.publish(subjects.events(fan.request_id), event)
-        if merged.done:
-            if merged.status == 200:  # what sharing the prompt saved: the later candidates' cached share of it
-                log.info("%s: %d candidates done; prompt %d tokens, cached per candidate %s", fan.request_id,
-                         len(fan.flights), fan.usage().prompt_tokens, [f.cached_tokens for f in fan.flights])
-            await self._cancel_fan(fan, "error" if merged.status != 200 else "finished")
-
-    async def _cancel_fan(self, fan: FanOut, reason: str) -> None:
-        """The request is over (done, failed, or the client went): every candidate still running lets go."""
-        assert self._bus is not None
-        live = self._end_fan(fan)
-        for sub in live:
-            await self._bus.publish(subjects.CANCEL, Cancel(sub, reason=reason))
-
-    def _end_fan(self, fan: FanOut) -> list[str]:
-        """Drop a fan-out and its candidates' state; the ids of those that were submitted and still running."""
-        self._fanouts.pop(fan.request_id, None)
-        unsent = {g.request_id for g in fan.unsent}
-        fan.unsent = []
-        live = []
-        for flight in fan.flights:
-            self._choice_of.pop(flight.request_id, None)
-            if self._drop(flight.request_id) and flight.request_id not in unsent:
-                live.append(flight.request_id)
-        return live
 
     async def _take_over(self, flight: Flight, resume: Resume, prompt_tokens: int) -> None:
         """Go on with a request whose recipe died (the gateway noticed): its output side replays what the client
@@ -490,9 +409,7 @@ class RecipeService:
             log.warning("%s: a repeat of output position %d (migration %d) differs from what was streamed: the "
                         "stream keeps the first; what follows comes from the other run", ev.request_id,
                         flight.forked_at, ev.migration)
-        fan = self._choice_of.get(ev.request_id)
-        if fan is not None and fan.unsent and flight.output_tokens > 0 and not fan.done:
-            await self._send_rest(fan)
+        await self._fans.on_progress(flight)
         if out is not None and out.resume:
             await self._resume(flight)
         elif out is not None:
@@ -519,9 +436,9 @@ class RecipeService:
     async def _emit(self, flight: Flight, out: Output) -> None:
         assert self._bus is not None
         rid = flight.request_id
-        fan = self._choice_of.get(rid)
+        fan = self._fans.of_choice(rid)
         if fan is not None:
-            await self._emit_choice(fan, flight, out)
+            await self._fans.emit(fan, flight, out)
             return
         if out.done:
             # A stored response is kept before the client sees its end (so it can continue from it at once), and
@@ -554,9 +471,9 @@ class RecipeService:
             return
         if cancel.worker_id:
             return  # one worker letting go of a request that moved on: the request itself goes on
-        fan = self._fanouts.get(cancel.request_id)
+        fan = self._fans.get(cancel.request_id)
         if fan is not None:  # the client went: every candidate goes (the workers know only their ids)
-            await self._cancel_fan(fan, cancel.reason)
+            await self._fans.cancel(fan, cancel.reason)
             log.info("%s cancelled: %s", cancel.request_id, cancel.reason)
             return
         if self._drop(cancel.request_id):

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -180,6 +181,66 @@ def test_regex_choice_and_json_object_hold_and_a_bad_regex_is_a_400(mesh: Mesh) 
     assert re.fullmatch(" [0-9]{4}\\.", done.choices[0].text)
     with pytest.raises(openai.BadRequestError, match="invalid regex constraint"):
         client.chat.completions.create(**ask, extra_body={"structured_outputs": {"regex": "(unclosed"}})
+
+
+# --- tool calls (the Hermes convention for a chat-template model, constrained by the tool choice) ----------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+ASK_WEATHER = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather forecast",
+                                                 "parameters": WEATHER}}
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The local time",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_forced_tool_call_parses_over_the_openai_sdk_streaming_and_not(mesh: Mesh) -> None:
+    client = sdk(mesh)
+    body = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER_TOOL, CLOCK_TOOL], "max_tokens": 80,
+            "temperature": 0, "tool_choice": "required", "parallel_tool_calls": False}
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "tool_calls", whole.message
+    (call,) = whole.message.tool_calls  # parallel_tool_calls false: exactly one
+    assert call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    if call.function.name == "get_weather":
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    named = client.chat.completions.create(**{**body, "tool_choice": {"type": "function",
+                                                                     "function": {"name": "get_weather"}}})
+    (forced,) = named.choices[0].message.tool_calls
+    assert forced.function.name == "get_weather"
+    jsonschema.validate(json.loads(forced.function.arguments), WEATHER)
+    names, arguments, reason = [], "", None
+    for chunk in client.chat.completions.create(**{**body, "tool_choice": named_choice("get_weather")}, stream=True):
+        if chunk.choices:
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                names += [delta.function.name] if delta.function.name else []
+                arguments += delta.function.arguments or ""
+            reason = chunk.choices[0].finish_reason or reason
+    assert (names, arguments, reason) == (["get_weather"], forced.function.arguments, "tool_calls")
+
+
+def named_choice(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+def test_anthropic_any_tool_and_a_responses_function_call(mesh: Mesh) -> None:
+    claude = anthropic.Anthropic(base_url=mesh.base_url, api_key="tenant-a", max_retries=0, timeout=120)
+    message = claude.messages.create(
+        model=MODEL, max_tokens=80, messages=ASK_WEATHER, extra_body={"temperature": 0},
+        tools=[{"name": "get_weather", "description": "The weather forecast", "input_schema": WEATHER}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, WEATHER)
+    answer = sdk(mesh).responses.create(
+        model=MODEL, input=ASK_WEATHER[0]["content"], max_output_tokens=80, temperature=0,
+        tools=[{"type": "function", **WEATHER_TOOL["function"]}], parallel_tool_calls=False,
+        tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = [item for item in answer.output if item.type == "function_call"]
+    assert call.name == "get_weather" and answer.parallel_tool_calls is False
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
 
 
 # --- the Responses API's stored responses ----------------------------------------------------------------------

@@ -142,7 +142,6 @@ def test_chat_templates_render_the_flattened_conversation() -> None:
 
 @pytest.mark.parametrize(("c", "what"), [
     (conv(cv.user("q")), "thinking mode is"),
-    (conv(cv.user("q"), thinking=False, tools=(ToolSpec("f", None, {}),)), "tools are"),
     (conv(cv.user("q"), cv.assistant("a", "r"), thinking=False), "reasoning_content is"),
     (conv(cv.user("q"), cv.latest_reminder("r"), thinking=False), "latest_reminder messages are"),
 ])

@@ -199,3 +199,23 @@ def test_without_parallel_tool_calls_one_call_is_all(grammars: Grammars, v4: Tok
               "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "thinking": {"type": "disabled"}}
     once = constraint("messages", claude)
     assert takes(once, opened + one) and not takes(once, opened + two)
+    resp = {"input": "Weather in Paris?", "reasoning": {"effort": "none"}, "tool_choice": "required",
+            "tools": [{"type": "function", **o["function"]} for o in OAI]}
+    assert takes(constraint("responses", resp), two)
+    single = constraint("responses", {**resp, "parallel_tool_calls": False})
+    assert takes(single, one) and not takes(single, two)
+
+
+def test_responses_reports_and_checks_parallel_tool_calls() -> None:
+    from services.recipe.emit.responses import ResponsesEmitter
+    from services.recipe.errors import FieldRefusal
+
+    body = {"model": PRO, "input": "hi", "parallel_tool_calls": False}
+    echo = convert("responses", body, OPTIONS).echo
+    emitter = ResponsesEmitter("resp_x", PRO, 0, stream=False, echo=echo)
+    assert emitter._object("completed", [], None, None, None)["parallel_tool_calls"] is False
+    default = convert("responses", {"model": PRO, "input": "hi"}, OPTIONS).echo
+    assert ResponsesEmitter("resp_y", PRO, 0, stream=False, echo=default)._object(
+        "completed", [], None, None, None)["parallel_tool_calls"] is True
+    with pytest.raises(FieldRefusal, match="parallel_tool_calls"):
+        convert("responses", {**body, "parallel_tool_calls": "no"}, OPTIONS)

@@ -12,7 +12,8 @@ reference makes comes first and a request it refuses is still refused in its wor
                prompt_logprobs none are neutral): a 400 naming the field (FieldRefusal, the OpenAI error's `param`)
     harmless   everything else, read and ignored like the reference does (user, metadata, store,
                service_tier, stream_options.continuous_usage_stats) or unknown
-    elsewhere  chat: parallel_tool_calls false allows one call under the tool grammar (convert/structured.py)
+    elsewhere  chat, responses: parallel_tool_calls false allows one call under the tool grammar
+               (convert/structured.py; the Responses object reports the value)
 
 Where the reference reads none of these (it ignores top_k, max_completion_tokens and the vLLM fields, and
 serves logprobs, penalties and logit_bias to a backend that may honour them) each rule is a deviation, shown

@@ -17,7 +17,7 @@ from typing import Any
 
 from services.recipe import conversation as cv
 from services.recipe.conversation import ResponseFormat
-from services.recipe.convert import apply_patch, common
+from services.recipe.convert import apply_patch, common, structured
 from services.recipe.convert.options import ConvertOptions
 from services.recipe.convert.responses_input import input_messages, namespaced, read_input
 from services.recipe.convert.serde import (
@@ -37,8 +37,9 @@ from services.recipe.convert.serde import (
     f32_display,
     invalid_type,
     json_field,
+    unexpected,
 )
-from services.recipe.errors import BodyError, ConversionError
+from services.recipe.errors import BodyError, ConversionError, FieldRefusal
 from services.recipe.prepared import PreparedRequest, ToolSpec
 
 _FUNCTION_FIELDS = [
@@ -163,6 +164,7 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
     sampling = _sampling(req, thinking, options)
     if encoding != "v41":
         common.refuse_media(_first_media(req.input), req.model)
+    parallel = _parallel_tool_calls(body)
     conv = common.conversation(messages, tools, choice, thinking, effort, fmt)
     echo = {
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -171,11 +173,13 @@ def convert(body: Any, options: ConvertOptions) -> PreparedRequest:
         "top_logprobs": req.top_logprobs or 0,
         "user": req.user, "reasoning": _raw(body, "reasoning"), "text": _raw(body, "text"),
         "tool_choice": _raw(body, "tool_choice"), "tools": _raw(body, "tools"),
+        "parallel_tool_calls": parallel is not False,
     }
-    return common.prepared(
+    prepared = common.prepared(
         "responses", req.model, encoding, conv, sampling, stream=bool(req.stream), schema_text=schema_text,
         echo=echo, extra={"namespace_tool_map": namespaces} if namespaces else None,
     )
+    return structured.one_call(prepared, parallel)
 
 
 def _declarations(tools: list[tuple[str, dict[str, Any]]]) -> None:
@@ -214,6 +218,16 @@ def _first_media(items: Any) -> str | None:
                 if part in ("input_image", "input_file"):
                     return f"input[{i}].{key}[{j}] ({part})"
     return None
+
+
+def _parallel_tool_calls(body: Any) -> bool | None:
+    """Not the reference's (it reads no such field): false allows one call under the tool grammar, as Chat's does
+    (structured.one_call); a value that is not a boolean is refused by name, after the reference's checks."""
+    value = _raw(body, "parallel_tool_calls")
+    if value is not None and not isinstance(value, bool):
+        raise FieldRefusal(f"Invalid parallel_tool_calls value: expected a boolean, got {unexpected(value)}",
+                           "parallel_tool_calls")
+    return value
 
 
 def _raw(body: Any, key: str) -> Any:

@@ -7,7 +7,8 @@ engine (shared/schemas/generate.py Constraint; shared/engine/grammar.py enforces
     output_format {"type": "json_schema", "schema": ...}                                 Anthropic Messages, here
 
 One constraint per request: two sources (response_format and structured_outputs, or two keys of it) are a 400, as
-vLLM refuses them; so is one next to tools (the tool choice constrains the output: its call markup, dsml_grammar.py).
+vLLM refuses them; so is one next to tools (the tool choice constrains the output: its call markup, dsml_grammar.py
+for DeepSeek formats, hermes_grammar.py for chat-template models).
 `choice` becomes an EBNF grammar of its literal strings. In thinking mode the constraint starts after the
 end-of-thinking token (the reasoning is free, and a schema answer never lands in `reasoning_content`); continuing an
 assistant prefix that already has content is refused (the grammar would see only the continuation), except with
@@ -23,7 +24,7 @@ from typing import Any
 
 from services.recipe.convert import common
 from services.recipe.errors import ConversionError, FieldRefusal
-from services.recipe.formats import dsml_grammar
+from services.recipe.formats import dsml_grammar, hermes, hermes_grammar
 from services.recipe.formats.deepseek import FORMATS
 from services.recipe.formats.dsml import CONTROL_TOKENS, DSML, END_THINK
 from services.recipe.formats.dsml_grammar import Mode
@@ -175,15 +176,19 @@ def one_call(prepared: PreparedRequest, parallel: bool | None) -> PreparedReques
 
 def _tool_calls(prepared: PreparedRequest, mode: Mode, after: int,
                 token_id: Callable[[str], int | None] | None) -> Constraint | None:
-    """A tool choice's constraint: the format's call markup with each tool's arguments (None where the format has
-    no call markup to constrain: chat-template models are offered no tools, conversion refuses them)."""
+    """A tool choice's constraint: the format's call markup with each tool's arguments (DSML for DeepSeek formats,
+    Hermes for chat-template models; None where the format's marker is not in the served vocabulary)."""
+    oc = prepared.inference.output_constraint
+    parallel = oc is None or not oc.one_call
+    tools = prepared.conversation.tools
+    if prepared.encoding == "chat_template":
+        ids = [token_id(t) if token_id is not None else None for t in (hermes.CALL_OPEN, hermes.CALL_CLOSE)]
+        return Constraint("structural_tag", hermes_grammar.spec(tools, mode, *ids, parallel=parallel), after)
     fmt = FORMATS.get(prepared.encoding)
     dsml_id = token_id(DSML) if token_id is not None else None
     if fmt is None or dsml_id is None:
         return None
     others = (token_id(t) for t in CONTROL_TOKENS if t != DSML)
     excludes = sorted({i for i in others if i is not None})
-    oc = prepared.inference.output_constraint
-    parallel = oc is None or not oc.one_call
-    spec = dsml_grammar.structural_tag(fmt.tags, prepared.conversation.tools, mode, dsml_id, excludes, parallel)
+    spec = dsml_grammar.structural_tag(fmt.tags, tools, mode, dsml_id, excludes, parallel)
     return Constraint("structural_tag", spec, after)

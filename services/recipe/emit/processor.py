@@ -112,7 +112,10 @@ class OutputProcessor:
         plain = prepared.encoding == "chat_template" or prepared.api == "completions"
         self._thinking = not plain and prepared.parsing.thinking_initial_stage is not None
         self._spec, self._plain = prepared.parsing, plain
-        self._parser = OutputParser(prepared.parsing, plain=plain)  # text mode until the first Tokens chunk
+        # a chat-template model offered tools writes Hermes calls (formats/hermes.py)
+        self._hermes = prepared.encoding == "chat_template" and prepared.api != "completions" and \
+            prepared.parsing.parse_tool_calls
+        self._parser = OutputParser(prepared.parsing, plain=plain, hermes=self._hermes)  # text mode until Tokens
         self._fed = False
         self._pieces = TokenPieces(tokens, skip_special=plain) if tokens is not None else None
         self._table = tokens
@@ -147,7 +150,7 @@ class OutputProcessor:
             if self._pieces is None:
                 raise ValueError("token ids need the model's token table")
             if not self._fed:  # ids: added tokens are symbols (stages.py, token mode)
-                self._parser = OutputParser(self._spec, plain=self._plain, token_mode=True)
+                self._parser = OutputParser(self._spec, plain=self._plain, token_mode=True, hermes=self._hermes)
                 self._fed = True
             ids = chunk.token_ids
             end = -1 if self._eos.isdisjoint(ids) else next(i for i, t in enumerate(ids) if t in self._eos)

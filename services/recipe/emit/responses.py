@@ -33,6 +33,7 @@ ECHO_DEFAULTS: dict[str, Any] = {
     "instructions": None, "max_output_tokens": None, "reasoning": {"effort": None, "summary": None},
     "temperature": 1.0, "text": {"format": {"type": "text"}, "verbosity": None}, "tool_choice": "auto",
     "tools": [], "top_logprobs": 0, "top_p": 1.0, "user": None,
+    "parallel_tool_calls": True,  # ours: the reference reads no such field and always reports true
     # set by the recipe service, which stores responses (responses_store.py); the reference stores none
     "store": False, "previous_response_id": None,
 }
@@ -114,7 +115,7 @@ class ResponsesEmitter:
             "background": False, "completed_at": completed_at, "content_filters": None, "error": None,
             "frequency_penalty": 0.0, "incomplete_details": incomplete, "instructions": e["instructions"],
             "max_output_tokens": e["max_output_tokens"], "max_tool_calls": None, "model": self._model,
-            "moderation": None, "output": output, "parallel_tool_calls": True, "presence_penalty": 0.0,
+            "moderation": None, "output": output, "parallel_tool_calls": e["parallel_tool_calls"], "presence_penalty": 0.0,
             "previous_response_id": e["previous_response_id"], "prompt_cache_key": None, "prompt_cache_retention": None,
             "reasoning": e["reasoning"], "safety_identifier": None, "service_tier": "default", "store": e["store"],
             "temperature": e["temperature"], "text": e["text"], "tool_choice": e["tool_choice"],

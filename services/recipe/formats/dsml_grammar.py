@@ -23,19 +23,23 @@ xgrammar ignores, so the engine can name the tool whose schema it cannot compile
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from services.recipe.formats.dsml import BLOCK_LEAD, Tags
+from services.recipe.formats.tag_grammar import Format, labelled
+from services.recipe.formats.tag_grammar import json_value as _json_value
+from services.recipe.formats.tag_grammar import lit as _lit
+from services.recipe.formats.tag_grammar import regex as _regex
+from services.recipe.formats.tag_grammar import seq as _seq
+from services.recipe.formats.tag_grammar import structural_tag as _spec
+from services.recipe.formats.tag_grammar import token as _token
 from services.recipe.prepared import ToolSpec
 
 Mode = Literal["required", "must_call", "auto"]
-Format = dict[str, Any]  # one xgrammar structural-tag format, as JSON
 
 _ANY_TEXT = "[\\s\\S]*"
 _KEY = '[^"\\s]+'  # a parameter name of a schema without properties: the parser ends it at '" '
-_JSON_WHITESPACE = 1  # at most one blank in a row inside a JSON value (a small model otherwise pads it)
 
 
 def structural_tag(tags: Tags, tools: Sequence[ToolSpec], mode: Mode, dsml_id: int,
@@ -58,7 +62,7 @@ def structural_tag(tags: Tags, tools: Sequence[ToolSpec], mode: Mode, dsml_id: i
         fmt = {"type": "token_triggered_tags", "trigger_tokens": [dsml_id], "exclude_tokens": list(text_excludes),
                "tags": [{"type": "tag", "begin": _token(dsml_id), "content": block, "end": f"{tags.block}>"}],
                "stop_after_first": True}
-    return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+    return _spec(fmt)
 
 
 class _Markup:
@@ -78,7 +82,7 @@ class _Markup:
 def _invoke(m: _Markup, tool: ToolSpec) -> Format:
     invoke = m.tags.invoke
     opening = m.open(invoke, f' name="{tool.name}">\n')
-    return {**_seq(*opening, _arguments(m, tool.parameters), *m.close(invoke)), "tool": tool.name}
+    return labelled(_seq(*opening, _arguments(m, tool.parameters), *m.close(invoke)), tool.name)
 
 
 def _arguments(m: _Markup, schema: Any) -> Format:
@@ -131,26 +135,6 @@ def _string_value(schema: dict[str, Any]) -> Format:
     if isinstance(high, int) or (isinstance(low, int) and low > 0):
         return _regex(f"[\\s\\S]{{{int(low)},{'' if high is None else int(high)}}}")
     return _regex(_ANY_TEXT)
-
-
-def _json_value(schema: Any) -> Format:
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _JSON_WHITESPACE}
-
-
-def _seq(*elements: Format) -> Format:
-    return {"type": "sequence", "elements": list(elements)}
-
-
-def _lit(text: str) -> Format:
-    return {"type": "const_string", "value": text}
-
-
-def _regex(pattern: str) -> Format:
-    return {"type": "regex", "pattern": pattern}
-
-
-def _token(token_id: int) -> Format:
-    return {"type": "token", "token": token_id}
 
 
 def _without_last(seq: Format) -> list[Format]:

@@ -17,6 +17,9 @@ the oracle tests require at every chunk boundary.
 Events are tuples, cheap on the hot path:
     ("reasoning", text) | ("content", text) | ("tool", index, name) | ("args", index, json_text)
     | ("stop", sequence)   (a stop sequence ended the answer; the parser is done)
+
+A chat-template model offered tools (`hermes`) writes its calls as Hermes markup in plain text: parse/hermes.py
+turns them into the same ("tool", ...) and ("args", ...) events.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import orjson
 
 from services.recipe.parse import stages as st
 from services.recipe.parse.detok import Piece
+from services.recipe.parse.hermes import HermesCalls
 from services.recipe.parse.machine import Act, Machine
 from services.recipe.prepared import ParsingSpec
 
@@ -58,10 +62,12 @@ def key_escape(text: str) -> str:
 
 
 class OutputParser:
-    def __init__(self, spec: ParsingSpec, *, plain: bool = False, token_mode: bool = False) -> None:
-        """`plain`: a chat-template model (no reasoning, tools or JSON markup): text and stop strings only.
+    def __init__(self, spec: ParsingSpec, *, plain: bool = False, token_mode: bool = False,
+                 hermes: bool = False) -> None:
+        """`plain`: a chat-template model (no reasoning, DSML or JSON markup): text and stop strings only.
         `token_mode`: the output arrives as token ids (pieces from detok.TokenPieces): added tokens come as
-        (symbol, spelling) pieces and match the markers, text pieces never spell one (see stages.py)."""
+        (symbol, spelling) pieces and match the markers, text pieces never spell one (see stages.py).
+        `hermes` (plain only): the text's Hermes tool calls become call events (parse/hermes.py)."""
         table = st.build(
             spec.parse_tool_calls and not plain,
             spec.parse_json_output and not plain,
@@ -87,9 +93,28 @@ class OutputParser:
         # event i came from (one piece per delta: pieces never merge), for what rides on a piece (logprobs).
         self.seen = 0
         self.event_pieces: list[int] = []
+        self._calls = HermesCalls() if plain and hermes else None
 
     def push(self, pieces: list[Piece]) -> list[Event]:
         """One push of output: text chunks (str) or pieces from detok.TokenPieces."""
+        out = self._push(pieces)
+        if self._calls is None:
+            return out
+        out, self.event_pieces = self._calls.feed(out, self.event_pieces)
+        self.tool_calls = self._calls.tool_calls
+        return out
+
+    def finish(self) -> list[Event]:
+        out = self._finish()
+        if self._calls is None:
+            return out
+        out, self.event_pieces = self._calls.feed(out, self.event_pieces)
+        more, pieces = self._calls.finish()
+        self.event_pieces += pieces
+        self.tool_calls = self._calls.tool_calls
+        return out + more
+
+    def _push(self, pieces: list[Piece]) -> list[Event]:
         self._out = out = []
         self.event_pieces = []
         self.consumed = 0
@@ -116,7 +141,7 @@ class OutputParser:
         """The index of the oldest piece not fully parsed (`seen` when none is held)."""
         return self.seen - len(self._pieces)
 
-    def finish(self) -> list[Event]:
+    def _finish(self) -> list[Event]:
         self._out = out = []
         self.event_pieces = []
         if not self.stopped:
