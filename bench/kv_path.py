@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared import subjects
 from shared.launch import natsserver  # noqa: E402
 from shared.bus import Bus, BusTimeout  # noqa: E402
-from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
+from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec, export_staged  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
 from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
@@ -288,9 +288,8 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     exporting = [0.0]
 
     async def export(parts: list[tuple[int, int, memoryview]]) -> None:  # what the worker runs on the engine thread
-        started = time.perf_counter()
-        for lo, hi, out in parts:
-            src.export_run(blocks[lo:hi], out)
+        started = time.perf_counter()  # as Engine.export_parts: staged through device buffers on a GPU
+        export_staged(src.export_run, [(blocks[lo:hi], out) for lo, hi, out in parts], src.block_bytes, device)
         exporting[0] += time.perf_counter() - started
 
     sync(device)
