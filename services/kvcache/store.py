@@ -291,6 +291,10 @@ class KvStore:
             self._count_hot(handles)
         return lease, handles
 
+    def ram_payloads(self) -> object | None:
+        """The RAM tier's payload store (tiers/ram.py `Payloads`), for its counters."""
+        return getattr(self._ram, "payloads", None)
+
     def release_hot(self, lease: int) -> bool:
         with self._hot:
             return self._ram is not None and self._ram.release(lease)
