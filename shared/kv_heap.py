@@ -19,13 +19,14 @@ Why no byte is ever wrong:
   locks stay until the last view is dropped (after the engine's import), so a lease ending while the engine is
   slow to import cannot free the bytes under it.
 - A worker that dies drops its locks with its last descriptor; its leases end at their deadline.
-The file is named after the store's instance and pid; a restarted store makes a new file with a new token, and
-removes what a dead store of its instance left (its owner's flock is gone, as for arenas).
+The file is named after the store's instance, pid and start; a restarted store makes a new file with a new
+token, and removes what a dead store of its instance left (its owner's flock is gone, as for arenas).
 """
 
 from __future__ import annotations
 
 import fcntl
+import itertools
 import mmap
 import os
 import threading
@@ -42,15 +43,21 @@ PREFIX = "deepinfer-kvheap-"
 ALIGN = 256  # every blob starts at a multiple of this (cache lines; DMA-friendly runs)
 
 
-def heap_path(instance: str, pid: int | None = None) -> Path:
-    return SHM_DIR / f"{PREFIX}{instance}-{os.getpid() if pid is None else pid}"
+_opened = itertools.count()
+
+
+def heap_path(instance: str) -> Path:
+    """A new name each time: the instance, the pid, and how many heaps this process made before (a store
+    restarted in the same process gets a new file too)."""
+    return SHM_DIR / f"{PREFIX}{instance}-{os.getpid()}-{next(_opened)}"
 
 
 def remove_stale(instance: str) -> int:
     """Remove the heaps of `instance` whose store died; how many."""
     removed = 0
     for path in SHM_DIR.glob(f"{PREFIX}{instance}-*"):
-        if path.name.rsplit("-", 1)[1].isdigit() and not owner_alive(path):
+        pid_seq = path.name[len(PREFIX) + len(instance) + 1 :].split("-")
+        if len(pid_seq) == 2 and all(p.isdigit() for p in pid_seq) and not owner_alive(path):
             path.unlink(missing_ok=True)
             removed += 1
     return removed

@@ -202,7 +202,7 @@ class KvCacheService:
                            [r.length for r in refs], deadline)
 
     async def _release_heap(self, req: KvHeapRelease, _: object) -> None:
-        if self.store is not None:
+        if self.store is not None and self.heap is not None and req.token == self.heap.token:
             self.store.release_hot(req.lease)
 
     async def _read_run(self, keys: list[bytes], limit: int, first: int) -> tuple[list[bytes], bool]:

@@ -141,6 +141,7 @@ class KvHeapRelease:
     publish; lost, the lease ends at its deadline)."""
 
     lease: int
+    token: bytes  # the heap's: a release meant for a store that has restarted since ends nothing of the new one
 
 
 @dataclass(frozen=True)

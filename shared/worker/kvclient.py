@@ -404,7 +404,8 @@ class KvClient:
             return []
         if self.heap is None or not self.heap.names(reply.heap, reply.token):
             self.heap = HeapMap.open(reply.heap, reply.token)  # (re)map: a first reply, or a restarted store
-        release = functools.partial(self._release_heap, asyncio.get_running_loop(), reply.instance, reply.lease)
+        release = functools.partial(self._release_heap, asyncio.get_running_loop(), reply.instance,
+                                    KvHeapRelease(reply.lease, reply.token))
         views = self.heap.lend(reply.offsets, reply.lengths, reply.deadline, release) if self.heap else None
         if views is None:  # not mapped (token, map failure) or the lease ended first: never read those bytes
             self.counts["heap_refused"] += 1
@@ -413,9 +414,8 @@ class KvClient:
         self.counts["blocks_via_heap"] += len(views)
         return list(views)
 
-    def _release_heap(self, loop: asyncio.AbstractEventLoop, instance: str, lease: int) -> None:
+    def _release_heap(self, loop: asyncio.AbstractEventLoop, instance: str, message: KvHeapRelease) -> None:
         """End a heap lease (fire and forget), from whichever thread dropped the last view."""
-        message = KvHeapRelease(lease)
 
         def send() -> None:
             task = asyncio.ensure_future(self._bus.publish(subjects.kv_heap_release(instance), message))
