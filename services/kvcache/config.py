@@ -27,7 +27,7 @@ class KvCacheConfig:
     ram_bytes: int = option(1 * GiB, help="RAM tier size in bytes (0: off)")  # hot copies
     # auto: the RAM tier's payloads in a /dev/shm heap same-host workers read by descriptor, where /dev/shm has
     # room for all of it; off: in process memory (same-host gets then copy into the worker's arena)
-    ram_heap: str = option("auto", choices=("auto", "off"), help="RAM tier in shared memory: auto | off")
+    ram_heap: str = option("auto", choices=("auto", "off"), env=True, help="RAM tier in shared memory: auto | off")
     # long-term blocks, on disk; 0 = long-term blocks live in LMDB
     ssd_bytes: int = option(32 * GiB, help="SSD tier size in bytes (0: off)")
     # a long-term block's life on the SSD tier, from when it was written
