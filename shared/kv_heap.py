@@ -76,7 +76,8 @@ class HeapMap:
         self.path, self.token, self.fd, self.map = path, token, fd, mapped
         self._locked: dict[int, int] = {}  # offset -> views lent over it (one lock per blob: OFD locks don't nest)
         self._lock = threading.Lock()  # views are dropped on the engine thread
-        weakref.finalize(self, os.close, fd)
+        self.before_close: list[Callable[[], None]] = []  # e.g. un-page-locking the map for the GPU
+        weakref.finalize(self, _close, fd, mapped, self.before_close)
 
     @classmethod
     def open(cls, path: str, token: bytes) -> HeapMap | None:
@@ -140,6 +141,11 @@ class HeapMap:
         self._give(taken)
         return False
 
+    def address(self) -> tuple[int, int]:
+        """(the map's address, its size): for registering it with a device's DMA (page-locking)."""
+        whole = np.frombuffer(self.map, np.uint8)
+        return whole.ctypes.data, whole.size
+
     def _give(self, extents: list[tuple[int, int]]) -> None:
         with self._lock:
             for at, n in extents:
@@ -149,3 +155,14 @@ class HeapMap:
                     continue
                 del self._locked[at]
                 range_lock(self.fd, fcntl.F_UNLCK, at, lock_bytes(n))
+
+
+def _close(fd: int, mapped: mmap.mmap, before: list[Callable[[], None]]) -> None:
+    """A map nobody uses any more (no view, no lock left): undo its registrations, then unmap it."""
+    for undo in before:
+        undo()
+    try:
+        mapped.close()
+    except BufferError:  # an export still being torn down: the map goes with it
+        pass
+    os.close(fd)

@@ -118,6 +118,7 @@ class KvClient:
         self.arena = arena
         self.heap_on = heap  # turned off for good when the store says it has no heap for this client
         self.heap: HeapMap | None = None  # the store's heap, mapped on the first reply that names it
+        self.on_heap: Callable[[HeapMap], object] | None = None  # called with each new map (a GPU worker pins it)
         # what this worker saw of the store, for its health report: blocks put / not stored, gets that failed
         self.counts: Counter[str] = Counter()
 
@@ -404,6 +405,8 @@ class KvClient:
             return []
         if self.heap is None or not self.heap.names(reply.heap, reply.token):
             self.heap = HeapMap.open(reply.heap, reply.token)  # (re)map: a first reply, or a restarted store
+            if self.heap is not None and self.on_heap is not None:
+                self.on_heap(self.heap)
         release = functools.partial(self._release_heap, asyncio.get_running_loop(), reply.instance,
                                     KvHeapRelease(reply.lease, reply.token))
         views = self.heap.lend(reply.offsets, reply.lengths, reply.deadline, release) if self.heap else None
