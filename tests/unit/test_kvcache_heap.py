@@ -185,3 +185,32 @@ def test_a_reader_maps_only_a_heap_with_its_token_and_refuses_an_ended_lease(hea
 
 def test_a_heap_ref_has_its_length() -> None:
     assert len(HeapRef(HEADER, 123)) == 123
+
+
+def test_a_put_from_a_slot_copies_once_and_is_undone_when_the_slot_was_not_ours(heap: Heap, tmp_path: Path) -> None:
+    """`put_hot_from` (a kv.put.shm): each blob copied once into the heap, the home write reading that copy; when
+    the worker's slot was given up during the copy, no reader ever finds those copies."""
+    from services.kvcache.store import KvStore
+    from services.kvcache.tiers.lmdb import LmdbTier
+
+    ram, _ = _tier(heap, 8, 4 * KiB)
+    store = KvStore(ram=ram, short_term=LmdbTier(tmp_path / "lmdb", capacity_bytes=4 << 20, map_size=16 << 20),
+                    max_ttl_s=60.0)
+    slot = bytearray(b"a" * 4 * KiB + b"b" * 4 * KiB)
+    views = [memoryview(slot)[: 4 * KiB], memoryview(slot)[4 * KiB :]]
+    keys = [b"x" * 32, b"y" * 32]
+    staged = store.put_hot_from(keys, views, 0.0, lambda: True)
+    assert staged is not None and [e for e, _ in staged] == [0.0, 0.0]
+    slot[:] = b"\xee" * len(slot)  # the slot is the worker's again: the copies must not change with it
+    assert [bytes(b) for _, b in staged] == [b"a" * 4 * KiB, b"b" * 4 * KiB]
+    assert all(isinstance(b, memoryview) for _, b in staged)  # the RAM copy itself, held while the home write runs
+    assert all(store.put_home(k, b, e) for k, (e, b) in zip(keys, staged))
+    del staged
+    late = store.put_hot_from([b"z" * 32], [memoryview(slot)[: 4 * KiB]], 0.0, lambda: False)
+    assert late is None and store.hot_run([b"z" * 32], 1 << 20, 1 << 20) == ([], True)
+    run, _ = store.hot_run(keys, 1 << 20, 1 << 20)
+    assert [bytes(b) for b in run] == [b"a" * 4 * KiB, b"b" * 4 * KiB]
+    del run
+    gc.collect()
+    assert heap.held == 0 and heap.free_bytes == heap.capacity - 2 * 4 * KiB
+    store.close()
