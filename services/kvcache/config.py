@@ -52,6 +52,8 @@ class KvCacheConfig:
             raise ValueError("--ssd-ttl-days and --ssd-segment-bytes must be positive")
         if self.max_lease_s < 0:
             raise ValueError("--max-lease must not be negative")
+        if self.ram_heap not in ("auto", "off"):
+            raise ValueError("--ram-heap must be auto or off")
 
     @property
     def segment_bytes(self) -> int:
