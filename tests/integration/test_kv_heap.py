@@ -82,6 +82,16 @@ async def test_a_get_by_descriptor_returns_what_was_put_as_views_of_the_heap(nat
         assert [bytes(b) for b in got] == [payload(k) for k in keys[:20]]
         assert client.counts["blocks_via_heap"] == 30 and client.counts["blocks_via_shm"] - before == 10
         del got
+
+        # a reply whose token the heap file does not show (as a map of another heap would): never read, those
+        # blocks come the arena's way, and the lease is released at once
+        heap.token = b"not this heap..."
+        client.heap = None
+        got = await client.get_run(keys[:10])
+        assert [bytes(b) for b in got] == [payload(k) for k in keys[:10]]
+        assert client.counts["heap_refused"] == 1 and client.counts["blocks_via_heap"] == 30
+        await _until(lambda: service.heap_stats()["leases"] == 0)
+        del got
     finally:
         await service.stop()
         await bus.drain()
