@@ -89,7 +89,7 @@ from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
 from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
-from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion, pin_host  # noqa: E402
+from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion, pin_heap, pin_host  # noqa: E402
 from shared.worker.kv_peer_transport import ShmExporter  # noqa: E402
 from shared.worker.kvclient import KvClient  # noqa: E402
 from shared.schemas.health import HealthReply, HealthRequest  # noqa: E402
@@ -511,6 +511,8 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
         device = torch.device(args.device)
         if kv.arena is not None and args.pin_arena and device.type == "cuda":
             print(f"  cudaHostRegister of the arena: {pin_host(kv.arena)}", file=sys.stderr, flush=True)
+            kv.on_heap = lambda heap: print(f"  cudaHostRegister of the store's heap (read-only): {pin_heap(heap)}",
+                                            file=sys.stderr, flush=True)  # as a GPU worker does
         rows = []
         for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens),
                                ("llama8b", args.llama8b_tokens)):
@@ -613,7 +615,8 @@ def main() -> None:
                         help="run: put_run / views (one copy each way); blocks: read_blocks / put_many (before)")
     parser.add_argument("--arena-mib", type=int, default=0, help="shm: the worker's arena, MiB (0: the default)")
     parser.add_argument("--device", default="cpu", help="the caches' device: cpu, or cuda (adds h2d / d2h ceilings)")
-    parser.add_argument("--pin-arena", action="store_true", help="cuda: page-lock the arena, as a GPU worker does")
+    parser.add_argument("--pin-arena", action="store_true",
+                        help="cuda: page-lock the arena (and the map of the store's heap), as a GPU worker does")
     parser.add_argument("--ram-mib", type=int, default=1536, help="the store's RAM tier, MiB")
     parser.add_argument("--ram-heap", choices=("auto", "off"), default="auto",
                         help="the store's RAM tier in a shared heap read by descriptor (auto), or private (off)")
