@@ -113,7 +113,7 @@ class HeapMap:
         `done` runs, on whichever thread dropped it); None when one cannot be locked or the lease's `deadline`
         (CLOCK_MONOTONIC) had passed once they were: the store may have reused the bytes."""
         extents = list(zip(offsets, lengths))
-        if any(not HEADER <= at or at + n > len(self.map) for at, n in extents) or not self._take(extents):
+        if len(offsets) != len(lengths) or any(not HEADER <= at or at + n > len(self.map) for at, n in extents) or not self._take(extents):
             return None
         if time.monotonic() >= deadline:
             self._give(extents)

@@ -164,7 +164,10 @@ class KvClient:
 
     async def _read_run(self, keys: Sequence[bytes], run: list[Blob]) -> None:
         if self.arena is not None and self.heap_on:
-            run += await self._get_heap(self.arena, keys)
+            leased = await self._get_heap(self.arena, keys)
+            if leased is None:
+                return  # the store did not answer: a miss, within one timeout
+            run += leased
         while len(run) < len(keys):
             rest = keys[len(run) :]
             first = await self._get_chunk(rest)
@@ -389,15 +392,16 @@ class KvClient:
         arena.give(offset)
         return KvGetRunReply(blobs, reply.ended)
 
-    async def _get_heap(self, arena: Arena, keys: Sequence[bytes]) -> list[Blob]:
+    async def _get_heap(self, arena: Arena, keys: Sequence[bytes]) -> list[Blob] | None:
         """Views of the store's heap for the leading run of `keys` its RAM tier holds ([] for none, or when
-        anything is wrong: the caller reads those blocks the arena's way)."""
+        anything is wrong: the caller reads those blocks the arena's way); None when the store did not answer."""
         request = KvGetHeap(list(keys), str(arena.path), arena.token, time.monotonic() + self._timeout)
         try:
             reply = await self._bus.request(subjects.KV_GET_HEAP, request, KvHeapReply, timeout=self._timeout)
         except BusTimeout as exc:
             log.warning("kv heap get failed: %s", exc)
-            return []  # if it was granted, the lease ends at its deadline
+            self.counts["gets_failed"] += 1
+            return None  # if it was granted, the lease ends at its deadline
         if not reply.heap:
             self.heap_on = False  # no shared heap there, or not for this host: stop asking
             return []
