@@ -15,14 +15,17 @@ release. Two kinds of holder:
 from __future__ import annotations
 
 import bisect
+import collections
 import fcntl
 import itertools
 import logging
 import mmap
 import os
+import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,19 +54,29 @@ class Heap:
         os.ftruncate(self._fd, HEADER + self.capacity)  # sparse: pages are resident once written
         self._map = mmap.mmap(self._fd, HEADER + self.capacity)
         self._map[:TOKEN_BYTES] = self.token
-        self._lock = threading.Lock()  # pinned views are dropped on any thread
+        self._lock = threading.Lock()
+        # Pinned views dropped (on any thread, maybe by the garbage collector in the middle of an allocation
+        # here) only queue their release; the next call that takes the lock applies it. deque.append is atomic.
+        self._dropped: collections.deque[int] = collections.deque()
         self._starts = [HEADER]  # free extents, sorted by offset: parallel lists of start and size
         self._sizes = [self.capacity]
         self._live: dict[int, int] = {}  # offset -> allocated size
         self._holds: dict[int, int] = {}  # offset -> holders
         self._doomed: set[int] = set()  # freed while held: freed at the last release
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            while self._dropped:
+                self._unhold(self._dropped.popleft())
+            yield
+
     # --- allocation --------------------------------------------------------------------------------------------
 
     def alloc(self, nbytes: int) -> int | None:
         """The offset of `nbytes` of free heap, or None when no free extent is that large."""
         need = _round(nbytes)
-        with self._lock:
+        with self._locked():
             for i, size in enumerate(self._sizes):
                 if size >= need:
                     at = self._starts[i]
@@ -78,30 +91,33 @@ class Heap:
 
     def free(self, offset: int) -> None:
         """Give a blob back; while it is held, at its last release."""
-        with self._lock:
+        with self._locked():
             if offset in self._holds:
                 self._doomed.add(offset)
             else:
                 self._release(offset)
 
     def hold(self, offset: int) -> None:
-        with self._lock:
+        with self._locked():
             assert offset in self._live and offset not in self._doomed, "holding a freed blob"
             self._holds[offset] = self._holds.get(offset, 0) + 1
 
     def unhold(self, offset: int) -> None:
-        with self._lock:
-            left = self._holds[offset] - 1
-            if left:
-                self._holds[offset] = left
-                return
-            del self._holds[offset]
-            if offset in self._doomed:
-                self._doomed.discard(offset)
-                self._release(offset)
+        with self._locked():
+            self._unhold(offset)
+
+    def _unhold(self, offset: int) -> None:
+        left = self._holds[offset] - 1
+        if left:
+            self._holds[offset] = left
+            return
+        del self._holds[offset]
+        if offset in self._doomed:
+            self._doomed.discard(offset)
+            self._release(offset)
 
     def is_held(self, offset: int) -> bool:
-        with self._lock:
+        with self._locked():
             return offset in self._holds
 
     def _release(self, offset: int) -> None:
@@ -128,7 +144,7 @@ class Heap:
         self.hold(offset)
         holder = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
         holder.flags.writeable = False
-        weakref.finalize(holder, self.unhold, offset)
+        weakref.finalize(holder, self._dropped.append, offset)
         return memoryview(holder)
 
     def probe(self, offset: int) -> bool:
@@ -143,29 +159,29 @@ class Heap:
 
     @property
     def free_bytes(self) -> int:
-        with self._lock:
+        with self._locked():
             return sum(self._sizes)
 
     @property
     def largest_free(self) -> int:
-        with self._lock:
+        with self._locked():
             return max(self._sizes, default=0)
 
     @property
     def held(self) -> int:
         """Blobs held now (by pinned views or read leases)."""
-        with self._lock:
+        with self._locked():
             return len(self._holds)
 
     @property
     def deferred(self) -> int:
         """Blobs freed while held, waiting for their last release."""
-        with self._lock:
+        with self._locked():
             return len(self._doomed)
 
     def extents(self) -> list[tuple[int, int]]:
         """The free extents (start, size), in order: for tests of the allocator's invariants."""
-        with self._lock:
+        with self._locked():
             return list(zip(self._starts, self._sizes))
 
     def close(self) -> None:
