@@ -25,6 +25,7 @@ token, and removes what a dead store of its instance left (its owner's flock is 
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import itertools
 import mmap
@@ -76,6 +77,9 @@ class HeapMap:
         self.path, self.token, self.fd, self.map = path, token, fd, mapped
         self._locked: dict[int, int] = {}  # offset -> views lent over it (one lock per blob: OFD locks don't nest)
         self._lock = threading.Lock()  # views are dropped on the engine thread
+        # Views dropped queue their unlock here and apply it when the lock is free: a drop may come from the
+        # garbage collector on a thread already inside `_take` (see `_drain`).
+        self._dropped: collections.deque[tuple[list[tuple[int, int]], Callable[[], None]]] = collections.deque()
         self.before_close: list[Callable[[], None]] = []  # e.g. un-page-locking the map for the GPU
         weakref.finalize(self, _close, fd, mapped, self.before_close)
 
@@ -104,6 +108,7 @@ class HeapMap:
 
     @property
     def locks_held(self) -> int:
+        self._drain()
         with self._lock:
             return len(self._locked)
 
@@ -113,7 +118,8 @@ class HeapMap:
         `done` runs, on whichever thread dropped it); None when one cannot be locked or the lease's `deadline`
         (CLOCK_MONOTONIC) had passed once they were: the store may have reused the bytes."""
         extents = list(zip(offsets, lengths))
-        if len(offsets) != len(lengths) or any(not HEADER <= at or at + n > len(self.map) for at, n in extents) or not self._take(extents):
+        inside = all(HEADER <= at and at + n <= len(self.map) for at, n in extents)
+        if len(offsets) != len(lengths) or not inside or not self._take(extents):
             return None
         if time.monotonic() >= deadline:
             self._give(extents)
@@ -125,21 +131,38 @@ class HeapMap:
         return [whole[at : at + n] for at, n in extents]
 
     def _ended(self, extents: list[tuple[int, int]], done: Callable[[], None]) -> None:
-        self._give(extents)
-        done()
+        self._dropped.append((extents, done))
+        self._drain()
+
+    def _drain(self) -> None:
+        """Apply the queued unlocks whenever the lock is free. Every append is followed by a try here and every
+        release of the lock by another, so none is left behind: if the appender cannot take the lock, its holder
+        has not yet made its own try after releasing it."""
+        while self._dropped and self._lock.acquire(blocking=False):
+            try:
+                ended = []
+                while self._dropped:
+                    extents, done = self._dropped.popleft()
+                    self._unlock(extents)
+                    ended.append(done)
+            finally:
+                self._lock.release()
+            for done in ended:
+                done()
 
     def _take(self, extents: list[tuple[int, int]]) -> bool:
-        taken: list[tuple[int, int]] = []
+        """Read-lock every extent (one lock per blob, counted), or none of them: False when one is refused."""
         with self._lock:
+            ok, taken = True, []
             for at, n in extents:
                 if not self._locked.get(at) and not range_lock(self.fd, fcntl.F_RDLCK, at, lock_bytes(n)):
+                    self._unlock(taken)
+                    ok = False
                     break
                 self._locked[at] = self._locked.get(at, 0) + 1
                 taken.append((at, n))
-            else:
-                return True
-        self._give(taken)
-        return False
+        self._drain()
+        return ok
 
     def address(self) -> tuple[int, int]:
         """(the map's address, its size): for registering it with a device's DMA (page-locking)."""
@@ -148,13 +171,17 @@ class HeapMap:
 
     def _give(self, extents: list[tuple[int, int]]) -> None:
         with self._lock:
-            for at, n in extents:
-                left = self._locked[at] - 1
-                if left:
-                    self._locked[at] = left
-                    continue
-                del self._locked[at]
-                range_lock(self.fd, fcntl.F_UNLCK, at, lock_bytes(n))
+            self._unlock(extents)
+        self._drain()
+
+    def _unlock(self, extents: list[tuple[int, int]]) -> None:
+        for at, n in extents:
+            left = self._locked[at] - 1
+            if left:
+                self._locked[at] = left
+                continue
+            del self._locked[at]
+            range_lock(self.fd, fcntl.F_UNLCK, at, lock_bytes(n))
 
 
 def _close(fd: int, mapped: mmap.mmap, before: list[Callable[[], None]]) -> None:

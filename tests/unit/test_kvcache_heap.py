@@ -214,3 +214,22 @@ def test_a_put_from_a_slot_copies_once_and_is_undone_when_the_slot_was_not_ours(
     gc.collect()
     assert heap.held == 0 and heap.free_bytes == heap.capacity - 2 * 4 * KiB
     store.close()
+
+
+def test_two_leases_of_one_reader_on_one_blob_keep_it_locked_until_both_views_go(heap: Heap) -> None:
+    """Open-file-description locks do not nest: the reader counts its views per blob, so the first import to end
+    does not unlock a blob another request of the same worker still reads."""
+    at = heap.alloc(300)
+    assert at is not None
+    reader = HeapMap.open(str(heap.path), heap.token)
+    assert reader is not None
+    done: list[int] = []
+    first = reader.lend([at], [300], time.monotonic() + 5, lambda: done.append(1))
+    second = reader.lend([at], [300], time.monotonic() + 5, lambda: done.append(2))
+    assert first is not None and second is not None and reader.locks_held == 1
+    del first
+    gc.collect()
+    assert done == [1] and reader.locks_held == 1 and not heap.probe(at)
+    del second
+    gc.collect()
+    assert done == [1, 2] and reader.locks_held == 0 and heap.probe(at)
