@@ -83,13 +83,27 @@ async def test_a_get_by_descriptor_returns_what_was_put_as_views_of_the_heap(nat
         assert client.counts["blocks_via_heap"] == 30 and client.counts["blocks_via_shm"] - before == 10
         del got
 
+        # cancelled between the heap's part and the arena's (the client left): the views go, so do the locks and
+        # the lease; the arena's slots come back
+        service.store._ram.delete(keys[10:20])
+        get = asyncio.create_task(client.get_run(keys[:20]))
+        while client.counts["blocks_via_heap"] < 40:
+            assert not get.done()
+            await asyncio.sleep(0)
+        get.cancel()
+        await asyncio.gather(get, return_exceptions=True)
+        assert get.cancelled()
+        gc.collect()
+        assert client.heap.locks_held == 0
+        await _until(lambda: service.heap_stats()["leases"] == 0 and client.arena.free_slots == client.arena.slots)
+
         # a reply whose token the heap file does not show (as a map of another heap would): never read, those
         # blocks come the arena's way, and the lease is released at once
         heap.token = b"not this heap..."
         client.heap = None
         got = await client.get_run(keys[:10])
         assert [bytes(b) for b in got] == [payload(k) for k in keys[:10]]
-        assert client.counts["heap_refused"] == 1 and client.counts["blocks_via_heap"] == 30
+        assert client.counts["heap_refused"] == 1 and client.counts["blocks_via_heap"] == 40
         await _until(lambda: service.heap_stats()["leases"] == 0)
         del got
     finally:
