@@ -1,7 +1,7 @@
 """The KV data plane, prefill -> kvcache -> decode, against the host's own ceilings measured in the same run.
 
     .venv/bin/python bench/kv_path.py [--llama-tokens 8192] [--v4-tokens 77824] [--llama8b-tokens 0]
-                                      [--transport nats|shm]
+                                      [--transport nats|shm] [--ram-heap auto|off] [--skip-peer]
                                       [--io run|blocks] [--arena-mib N] [--device cpu|cuda] [--out FILE]
 
 Real parts: a private nats-server (the launcher's config: 8 MiB payloads, 32 MiB pending per connection), the
@@ -20,6 +20,11 @@ Per layout (export / import: the engine's share of (a) / (b)), with --io run (th
     (b) get + import     KvClient.get_run of the run (served from the store's RAM tier), then write_blocks, which
                          imports from the arena's views where they lie (import_run)
 and with --io blocks (before the one-copy path): read_blocks (a bytes per block), put_many, get_run, write_blocks.
+    (b) store            the part of (b) that is not the import: lookup + get, what the store path adds to a
+                         cached turn's first token over the worker-local path. With --transport shm and the store's
+                         --ram-heap auto (the default) RAM hits are read by descriptor from the store's shared
+                         heap (shared/kv_heap.py: no copy by the store, the import reads the heap); with
+                         --ram-heap off the store copies them into the worker's arena (`via heap` counts blocks)
     (c) hand-over        (a) then a lookup and (b): what lies between prefill's first token and decode's first
                          step on the store path (routing and the engine's own step excluded)
     (c) peer             the same on the peer path (shared/worker/kv_peer.py, the default --kv-handover): a prefill
@@ -84,7 +89,7 @@ from shared.engine.kv_cache import CacheSpec, KVCache, PagedSpec, export_staged 
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import CSA, HCA, DeepseekV4Spec  # noqa: E402
 from shared.worker.kv_peer import Handovers, PeerPuller  # noqa: E402
-from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion, pin_host  # noqa: E402
+from shared.worker.kv_cuda_ipc import CudaExporter, DeviceRegion, pin_heap, pin_host  # noqa: E402
 from shared.worker.kv_peer_transport import ShmExporter  # noqa: E402
 from shared.worker.kvclient import KvClient  # noqa: E402
 from shared.schemas.health import HealthReply, HealthRequest  # noqa: E402
@@ -164,6 +169,7 @@ class Row:
     nats_s: float
     export_s: float  # read_blocks alone, inside (a)
     import_s: float  # write_blocks alone, inside (b)
+    via_heap: int  # of the run's blocks, those (b) read by descriptor from the store's heap
     put_s: float  # (a)
     get_s: float  # (b)
     handover_s: float  # (c)
@@ -278,7 +284,7 @@ async def nats_s(url: str, nbytes: int) -> float:
 
 
 async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: int, directory: Path, io: str,
-                     device: torch.device) -> Row:
+                     device: torch.device, peers: bool = True) -> Row:
     block_tokens, make = LAYOUTS[layout]
     n = tokens // block_tokens
     src, dst = make(n, device), make(n, device)
@@ -306,15 +312,17 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     failed = 0 if stored else await count_missing(kv, keys)
 
     started = time.perf_counter()
+    via_heap = kv.counts["blocks_via_heap"]
     await kv.lookup_run(keys)
     got = await kv.get_run(keys)
+    via_heap = kv.counts["blocks_via_heap"] - via_heap
     imported = time.perf_counter()
     dst.write_blocks(blocks[: len(got)], got)
     sync(device)
     import_s = time.perf_counter() - imported
     get_s = time.perf_counter() - started
     got_back = len(got)
-    del got  # views of the arena: their slots go back
+    del got  # views of the arena (their slots go back) or of the store's heap (its lease is released)
     if got_back == n:
         assert all(torch.equal(a, b) for a, b in zip(tensors(src), tensors(dst))), "a block came back different"
 
@@ -339,12 +347,13 @@ async def store_path(kv: KvClient, url: str, layout: str, tokens: int, repeat: i
     h2d, d2h, d2h_pageable = device_copy_s(nbytes, device, repeat)
     write, read = disk_s(directory, nbytes)
     wire = await nats_s(url, nbytes)
-    peer = await peer_path(url, layout, n, make, device, "nats")
-    peer_shm = await peer_path(url, layout, n, make, device, "shm")
+    peer = await peer_path(url, layout, n, make, device, "nats") if peers else 0.0
+    peer_shm = await peer_path(url, layout, n, make, device, "shm") if peers else 0.0
     on_gpu = device.type == "cuda"
-    peer_cuda = await peer_path(url, layout, n, make, device, "cuda-ipc") if on_gpu else 0.0
+    peer_cuda = await peer_path(url, layout, n, make, device, "cuda-ipc") if on_gpu and peers else 0.0
     d2d = d2d_s(nbytes, device, repeat) if on_gpu else 0.0
-    return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, put_s, get_s, put_s + get_s,
+    return Row(layout, tokens, n, nbytes, mem, write, read, wire, export_s, import_s, via_heap, put_s, get_s,
+               put_s + get_s,
                peer, peer_shm, statistics.median(one_put), statistics.median(one_get), failed, n - got_back, h2d, d2h,
                d2h_pageable, peer_cuda, d2d)
 
@@ -481,7 +490,8 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
     server = natsserver.start(work / "nats", log_file=work / "nats.log")
     kvcache = subprocess.Popen(
         [sys.executable, "-m", "services.kvcache", "--nats-url", server.url, "--state-dir", str(work),
-         "--instance", INSTANCE, "--ram-bytes", str(args.ram_mib * MiB), "--ssd-bytes", str(4 * args.ram_mib * MiB)],
+         "--instance", INSTANCE, "--ram-bytes", str(args.ram_mib * MiB), "--ssd-bytes", str(4 * args.ram_mib * MiB),
+         "--ram-heap", args.ram_heap],
         stdout=open(work / "kvcache.log", "wb"), stderr=subprocess.STDOUT,
         cwd=Path(__file__).resolve().parents[1],
     )
@@ -500,11 +510,14 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[list[Row], int]:
         device = torch.device(args.device)
         if kv.arena is not None and args.pin_arena and device.type == "cuda":
             print(f"  cudaHostRegister of the arena: {pin_host(kv.arena)}", file=sys.stderr, flush=True)
+            kv.on_heap = lambda heap: print(f"  cudaHostRegister of the store's heap (read-only): {pin_heap(heap)}",
+                                            file=sys.stderr, flush=True)  # as a GPU worker does
         rows = []
         for layout, tokens in (("llama", args.llama_tokens), ("v4", args.v4_tokens),
                                ("llama8b", args.llama8b_tokens)):
             if tokens:
-                rows.append(await store_path(kv, server.url, layout, tokens, args.repeat, work, args.io, device))
+                rows.append(await store_path(kv, server.url, layout, tokens, args.repeat, work, args.io, device,
+                                             not args.skip_peer))
                 print(f"  {layout} {tokens} tokens done", file=sys.stderr, flush=True)
         if getattr(kv, "arena", None) is not None:
             kv.arena.close()
@@ -527,12 +540,12 @@ def table(rows: list[Row], slow: int) -> str:
     cuda_head = "| (c) peer cuda | peer cuda / d2d | peer shm / peer cuda " if gpu else ""
     lines = [
         f"| layout | tokens | blocks | MB | memcpy | {extra}disk write | disk read | nats | export | import "
-        "| (a) export+put | (b) get+import "
+        "| (a) export+put | (b) get+import | (b) store | via heap "
         "| (c) hand-over | (c) / memcpy | (c) / nats | (c) peer | peer / memcpy | store / peer "
         "| (c) peer shm | peer shm / memcpy | peer / peer shm "
         f"{cuda_head}"
         "| 1 block put | 1 block get | failed puts | blocks not got back |",
-        "|---" * (25 + 7 * gpu) + "|",
+        "|---" * (27 + 7 * gpu) + "|",
     ]
     for r in rows:
         copies = (f"{rate(r.nbytes, r.h2d_s)} | {rate(r.nbytes, r.d2h_s)} | {rate(r.nbytes, r.d2h_pageable_s)} | "
@@ -546,17 +559,24 @@ def table(rows: list[Row], slow: int) -> str:
             f"| {rate(r.nbytes, r.export_s)} | {rate(r.nbytes, r.import_s)} "
             f"| {r.put_s * 1e3:,.0f} ms ({rate(r.nbytes, r.put_s)}) "
             f"| {r.get_s * 1e3:,.0f} ms ({rate(r.nbytes, r.get_s)}) "
+            f"| {(r.get_s - r.import_s) * 1e3:,.1f} ms | {r.via_heap} "
             f"| {r.handover_s * 1e3:,.0f} ms ({rate(r.nbytes, r.handover_s)}) | {r.handover_s / r.memcpy_s:,.0f}x "
             f"| {r.handover_s / r.nats_s:,.1f}x "
-            f"| {r.peer_s * 1e3:,.0f} ms ({rate(r.nbytes, r.peer_s)}) | {r.peer_s / r.memcpy_s:,.0f}x "
-            f"| {r.handover_s / r.peer_s:,.1f}x "
-            f"| {r.peer_shm_s * 1e3:,.1f} ms ({rate(r.nbytes, r.peer_shm_s)}) | {r.peer_shm_s / r.memcpy_s:,.1f}x "
-            f"| {r.peer_s / r.peer_shm_s:,.1f}x "
+            f"{peer_cells(r)}"
             f"{cuda}"
             f"| {r.one_put_s * 1e3:.1f} ms | {r.one_get_s * 1e3:.1f} ms | {r.failed_puts} | {r.missing_gets} |"
         )
     lines.append(f"\nSlow-consumer disconnects in the nats-server log: {slow}")
     return "\n".join(lines)
+
+
+def peer_cells(r: Row) -> str:
+    if not r.peer_s or not r.peer_shm_s:
+        return "| - | - | - | - | - | - "  # --skip-peer
+    return (f"| {r.peer_s * 1e3:,.0f} ms ({rate(r.nbytes, r.peer_s)}) | {r.peer_s / r.memcpy_s:,.0f}x "
+            f"| {r.handover_s / r.peer_s:,.1f}x "
+            f"| {r.peer_shm_s * 1e3:,.1f} ms ({rate(r.nbytes, r.peer_shm_s)}) | {r.peer_shm_s / r.memcpy_s:,.1f}x "
+            f"| {r.peer_s / r.peer_shm_s:,.1f}x ")
 
 
 def hardware() -> str:
@@ -594,8 +614,12 @@ def main() -> None:
                         help="run: put_run / views (one copy each way); blocks: read_blocks / put_many (before)")
     parser.add_argument("--arena-mib", type=int, default=0, help="shm: the worker's arena, MiB (0: the default)")
     parser.add_argument("--device", default="cpu", help="the caches' device: cpu, or cuda (adds h2d / d2h ceilings)")
-    parser.add_argument("--pin-arena", action="store_true", help="cuda: page-lock the arena, as a GPU worker does")
+    parser.add_argument("--pin-arena", action="store_true",
+                        help="cuda: page-lock the arena (and the map of the store's heap), as a GPU worker does")
     parser.add_argument("--ram-mib", type=int, default=1536, help="the store's RAM tier, MiB")
+    parser.add_argument("--ram-heap", choices=("auto", "off"), default="auto",
+                        help="the store's RAM tier in a shared heap read by descriptor (auto), or private (off)")
+    parser.add_argument("--skip-peer", action="store_true", help="leave out the peer hand-over rows (c) peer")
     parser.add_argument("--dir", type=Path, default=None, help="where the store and the disk probe write")
     parser.add_argument("--label", default="", help="a name for this run in the output (before / after)")
     parser.add_argument("--out", type=Path, default=None, help="append the table to this markdown file")
@@ -605,8 +629,9 @@ def main() -> None:
         rows, slow = asyncio.run(run(args, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    flags = f"--transport {args.transport} --io {args.io} --device {args.device}" + (
-        f" --arena-mib {args.arena_mib}" if args.arena_mib else "") + (" --pin-arena" if args.pin_arena else "")
+    flags = f"--transport {args.transport} --ram-heap {args.ram_heap} --io {args.io} --device {args.device}" + (
+        f" --arena-mib {args.arena_mib}" if args.arena_mib else "") + (" --pin-arena" if args.pin_arena else "") + (
+        " --skip-peer" if args.skip_peer else "")
     text = (f"## {args.label or 'kv path'} ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)\n\n"
             f"{hardware()}{gpu_name(args.device)}; `{flags}`\n\n{table(rows, slow)}\n")
     print(text)

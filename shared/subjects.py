@@ -44,6 +44,7 @@ KV_GET_RUN = "kv.get.run"  # KvGetRun -> KvGetRunReply: a prefix run, many block
 KV_PUT_BATCH = "kv.put.batch"  # KvPutBatch -> KvPutBatchReply: many blocks per message
 KV_GET_SHM = "kv.get.shm"  # KvGetRunShm -> KvShmReply: kv.get.run, the bytes through the caller's shared memory
 KV_PUT_SHM = "kv.put.shm"  # KvPutShm -> KvShmReply: kv.put.batch, the bytes through the caller's shared memory
+KV_GET_HEAP = "kv.get.heap"  # KvGetHeap -> KvHeapReply: where a run lies in the store's shared heap, leased
 KV_DELETE = "kv.delete"
 KV_STATS = "kv.stats"  # KvStats -> KvStatsReply, for the gateway's /metrics (every instance answers; first wins)
 BALANCER_STATS = "balancer.stats"  # BalancerStats -> BalancerStatsReply, for /metrics (the same way)
@@ -54,6 +55,11 @@ LAUNCHER_STATS = "launcher.stats"  # LauncherStats -> LauncherStatsReply: what `
 def kv_snapshot(source: str) -> str:
     """KvSnapshotRequest -> KvSnapshot: every hash a KV event source holds (shared/schemas/events.py)."""
     return f"kv.snapshot.{source}"
+
+
+def kv_heap_release(instance: str) -> str:
+    """KvHeapRelease (core): a same-host reader ends its read lease on kvcache `instance`'s heap early."""
+    return f"kv.heap.release.{instance}"
 
 
 def kv_peer(worker_id: str) -> str:

@@ -25,6 +25,9 @@ class KvCacheConfig:
     tail_ttl_s: float = option(180.0, help="longest TTL of a short-term entry, s")
     sweep_interval_s: float = 2.0  # expired entries go, the SSD tier syncs and access times persist this often
     ram_bytes: int = option(1 * GiB, help="RAM tier size in bytes (0: off)")  # hot copies
+    # auto: the RAM tier's payloads in a /dev/shm heap same-host workers read by descriptor, where /dev/shm has
+    # room for all of it; off: in process memory (same-host gets then copy into the worker's arena)
+    ram_heap: str = option("auto", choices=("auto", "off"), env=True, help="RAM tier in shared memory: auto | off")
     # long-term blocks, on disk; 0 = long-term blocks live in LMDB
     ssd_bytes: int = option(32 * GiB, help="SSD tier size in bytes (0: off)")
     # a long-term block's life on the SSD tier, from when it was written
@@ -49,6 +52,8 @@ class KvCacheConfig:
             raise ValueError("--ssd-ttl-days and --ssd-segment-bytes must be positive")
         if self.max_lease_s < 0:
             raise ValueError("--max-lease must not be negative")
+        if self.ram_heap not in ("auto", "off"):
+            raise ValueError("--ram-heap must be auto or off")
 
     @property
     def segment_bytes(self) -> int:

@@ -13,6 +13,11 @@ write to its home tier still happens (write-through) and the reply waits for it,
 Bulk traffic comes batched: `kv.get.run` answers a prefix run with as many blocks as one reply carries, and
 `kv.put.batch` stores many blocks per message; clients keep a bounded number of them in flight (kvclient.py).
 
+Same-host workers read RAM hits by descriptor (`kv.get.heap`): the RAM tier's payloads lie in a shared-memory
+heap this service owns (heap.py, shared/kv_heap.py; `--ram-heap auto`, the default), and the reply says where,
+under a read lease the worker ends with `kv.heap.release.<instance>` once its engine imported the blocks (or
+that ends at its deadline). The store copies nothing for such a get.
+
 Instances in the `kvcache` queue group each own their store; run one per state directory.
 """
 
@@ -29,6 +34,7 @@ from typing import Any, TypeVar
 import orjson
 
 from services.kvcache.config import DAY_S, KvCacheConfig
+from services.kvcache.heap import Heap, HeapPayloads, open_heap
 from services.kvcache.leases import Leases
 from services.kvcache.malloc import retain_freed_memory
 from services.kvcache.store import KvStore
@@ -46,7 +52,10 @@ from shared.schemas.kv import (
     KvGetReply,
     KvGetRun,
     KvGetRunReply,
+    KvGetHeap,
     KvGetRunShm,
+    KvHeapRelease,
+    KvHeapReply,
     KvLookup,
     KvLookupReply,
     KvPut,
@@ -80,6 +89,7 @@ class KvCacheService:
         self.events: EventPublisher | None = None
         self._arenas = ArenaMaps()  # same-host workers' shared memory (shared/kv_arena.py)
         self.late_shm = 0  # shm requests that came past their deadline (refused: the slot is not theirs any more)
+        self.heap: Heap | None = None  # the RAM tier's shared heap (None: --ram-heap off, or no room in /dev/shm)
 
     # --- Service protocol --------------------------------------------------------------------------------------
 
@@ -99,6 +109,8 @@ class KvCacheService:
             await bus.serve(subjects.KV_PUT_BATCH, KvPutBatch, self._put_batch, queue=group),
             await bus.serve(subjects.KV_GET_SHM, KvGetRunShm, self._get_shm, queue=group),
             await bus.serve(subjects.KV_PUT_SHM, KvPutShm, self._put_shm, queue=group),
+            await bus.serve(subjects.KV_GET_HEAP, KvGetHeap, self._get_heap, queue=group),
+            await bus.subscribe(subjects.kv_heap_release(self.config.instance), KvHeapRelease, self._release_heap),
             await bus.serve(subjects.KV_DELETE, KvDelete, self._delete, queue=group),
             await bus.serve(subjects.KV_STATS, KvStats, self._stats),  # every instance answers for itself
         ]
@@ -125,7 +137,15 @@ class KvCacheService:
         if not self._subs:  # set once every subject is subscribed: ready means every request has a responder
             return False, "subscribing"
         # Counters are plain ints written by the I/O thread; a slightly torn snapshot is fine for a report.
-        return True, orjson.dumps(self.store.stats()).decode()
+        return True, orjson.dumps({**self.store.stats(), "heap": self.heap_stats()}).decode()
+
+    def heap_stats(self) -> dict[str, int]:
+        """The shared heap's state: leases granted / released / expired / held now, blobs held, frees deferred."""
+        ram = self.store.ram_payloads() if self.store is not None else None
+        if self.heap is None or not isinstance(ram, HeapPayloads):
+            return {}
+        return {"lent": ram.lent, "released": ram.released, "expired": ram.expired, "leases": ram.leases,
+                "held": self.heap.held, "deferred": self.heap.deferred, "free_bytes": self.heap.free_bytes}
 
     # --- handlers ----------------------------------------------------------------------------------------------
 
@@ -167,6 +187,24 @@ class KvCacheService:
             at += len(blob)
         return KvShmReply(mapped=True, lengths=[len(b) for b in run], ended=at_miss)
 
+    async def _get_heap(self, req: KvGetHeap) -> KvHeapReply:
+        """Where the run's RAM part lies in the heap, leased: only to a reader whose arena this store maps (on its
+        host, so it can map the heap too)."""
+        assert self.store is not None
+        heap = self.heap
+        if heap is None or self._arenas.get(req.arena, req.token) is None:
+            return KvHeapReply(heap="")
+        deadline = min(req.deadline, time.monotonic() + self.config.max_lease_s)
+        if _late(deadline):
+            return KvHeapReply(str(heap.path), heap.token, self.config.instance)
+        lease, refs = self.store.lend_hot(req.keys, deadline)
+        return KvHeapReply(str(heap.path), heap.token, self.config.instance, lease, [r.offset for r in refs],
+                           [r.length for r in refs], deadline)
+
+    async def _release_heap(self, req: KvHeapRelease, _: object) -> None:
+        if self.store is not None and self.heap is not None and req.token == self.heap.token:
+            self.store.release_hot(req.lease)
+
     async def _read_run(self, keys: list[bytes], limit: int, first: int) -> tuple[list[bytes], bool]:
         """The leading run of `keys` within `limit` bytes (the first blob within `first`): RAM's part on the loop,
         the rest from the disk tiers on the I/O thread. True when it ended at an absent key."""
@@ -186,14 +224,26 @@ class KvCacheService:
         if (arena is None or len(req.lengths) != len(req.keys) or min(req.lengths, default=0) < 0
                 or not 0 < req.offset <= end <= len(arena)):
             return KvShmReply(mapped=False)
-        blobs, at = [], req.offset
+        assert self.store is not None
+        store = self.store
+        whole = memoryview(arena)
+        views, at = [], req.offset
         for n in req.lengths:
-            blobs.append(arena[at : at + n])  # a copy: the slot goes back to the worker with the reply
+            views.append(whole[at : at + n])
             at += n
-        if _late(req.deadline):  # read after the worker gave the slot up: the bytes may be another batch's
+        # one copy each (into RAM, the heap where it is on), the slot going back to the worker with the reply;
+        # dropped again if the worker gave the slot up meanwhile: the bytes may be another batch's
+        staged = store.put_hot_from(req.keys, views, req.ttl_s, lambda: not _late(req.deadline))
+        views.clear()
+        whole.release()  # before any await: the sweep may unmap the arena
+        if staged is None:
             self.late_shm += 1
             return KvShmReply(mapped=True, stored=[False] * len(req.keys))
-        return KvShmReply(mapped=True, stored=await self._store(req.keys, blobs, req.ttl_s))
+
+        def write_home() -> list[bool]:
+            return [e is not None and store.put_home(k, b, e) for k, (e, b) in zip(req.keys, staged)]
+
+        return KvShmReply(mapped=True, stored=await self._run(write_home))
 
     async def _put(self, req: KvPut) -> KvPutReply:
         (stored,) = await self._store([req.key], [req.data], req.ttl_s)
@@ -261,7 +311,9 @@ class KvCacheService:
         retain_freed_memory()  # every read allocates its blocks afresh: see malloc.py
         leases = Leases()
         lmdb = LmdbTier(cfg.root, capacity_bytes=cfg.capacity_bytes, map_size=cfg.map_size, leases=leases)
-        ram = RamTier(capacity_bytes=cfg.ram_bytes, leases=leases) if cfg.ram_bytes else None
+        self.heap = open_heap(cfg.instance, cfg.ram_bytes) if cfg.ram_bytes and cfg.ram_heap == "auto" else None
+        payloads = HeapPayloads(self.heap) if self.heap is not None else None
+        ram = RamTier(capacity_bytes=cfg.ram_bytes, leases=leases, payloads=payloads) if cfg.ram_bytes else None
         ssd = None
         if cfg.ssd_bytes:
             ssd = SsdTier(

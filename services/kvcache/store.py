@@ -36,14 +36,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.kvcache.leases import Leases
 
 RUN_READ = 16  # keys per disk read of a prefix run (the SSD tier reads a run's segment pieces together)
 MAX_KEY_BYTES = 256  # LMDB keys are at most 511 bytes and the tiers' indexes prefix 8 bytes to them
 
-Entry = tuple[bytes, float]  # (payload, expires_at): expires_at 0.0 = long-term, no expiry
+# (payload, expires_at): expires_at 0.0 = long-term, no expiry. A RAM payload in the shared heap is a read-only
+# view of it that holds its bytes while it lives (services/kvcache/heap.py)
+Entry = tuple[bytes | memoryview, float]
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,14 @@ class Tier(Protocol):
     def stats(self) -> TierStats: ...
 
     def close(self) -> None: ...
+
+
+class HotTier(Tier, Protocol):
+    """The RAM tier: a Tier whose payloads same-host readers may lease by descriptor (tiers/ram.py)."""
+
+    def lend(self, keys: Sequence[bytes], now: float, deadline: float) -> tuple[int, list[Any]]: ...
+
+    def release(self, lease: int) -> bool: ...
 
 
 class Listener(Protocol):
@@ -134,7 +144,7 @@ class KvStore:
         *,
         short_term: Tier,
         long_term: Tier | None = None,
-        ram: Tier | None = None,
+        ram: HotTier | None = None,
         max_ttl_s: float,
         max_lease_s: float = 30.0,
         leases: Leases | None = None,
@@ -268,12 +278,33 @@ class KvStore:
                 run.append(blob)
         return run, False
 
-    def _count_hot(self, run: list[bytes]) -> None:
+    def lend_hot(self, keys: Sequence[bytes], deadline: float) -> tuple[int, list[Any]]:
+        """A read lease until `deadline` (CLOCK_MONOTONIC) on the leading run of `keys` that RAM holds, for a
+        same-host reader of the shared heap: (lease id, where each blob lies); (0, []) when RAM's payloads are
+        not shared or the first key is not in RAM. The blobs stay as they are until `release_hot` or the
+        deadline, whatever is evicted, expired or deleted meanwhile."""
+        if self._ram is None:
+            return 0, []
+        now = self._clock()
+        with self._hot:
+            lease, handles = self._ram.lend(_valid_prefix(keys), now, deadline)
+            self._count_hot(handles)
+        return lease, handles
+
+    def ram_payloads(self) -> object | None:
+        """The RAM tier's payload store (tiers/ram.py `Payloads`), for its counters."""
+        return getattr(self._ram, "payloads", None)
+
+    def release_hot(self, lease: int) -> bool:
+        with self._hot:
+            return self._ram is not None and self._ram.release(lease)
+
+    def _count_hot(self, run: Sequence[Any]) -> None:
         assert self._ram is not None
         self.traffic[self._ram.name].hits += len(run)
         self._count_read(run, len(run))
 
-    def _count_read(self, hits: list[bytes], asked: int) -> None:
+    def _count_read(self, hits: Sequence[Any], asked: int) -> None:
         with self._hot:
             self.counters.get_hits += len(hits)
             self.counters.get_misses += asked - len(hits)
@@ -284,7 +315,7 @@ class KvStore:
         expires_at = self.put_hot(key, data, ttl_s)
         return expires_at is not None and self.put_home(key, data, expires_at)
 
-    def put_hot(self, key: bytes, data: bytes, ttl_s: float = 0.0) -> float | None:
+    def put_hot(self, key: bytes, data: bytes | memoryview, ttl_s: float = 0.0) -> float | None:
         """The first half of a put, any thread, no disk: a RAM copy (best effort: a refused copy still reads from
         home once `put_home` stored it). Returns the entry's expires_at for `put_home`, None for a bad put."""
         now = self._clock()
@@ -298,7 +329,27 @@ class KvStore:
                 self._stored(self._ram, key, expires_at)
         return expires_at
 
-    def put_home(self, key: bytes, data: bytes, expires_at: float) -> bool:
+    def put_hot_from(self, keys: Sequence[bytes], views: Sequence[memoryview], ttl_s: float,
+                     valid: Callable[[], bool]) -> list[tuple[float | None, bytes | memoryview]] | None:
+        """`put_hot` of blobs lying in a buffer that may be taken back (a worker's arena slot), each copied once:
+        into RAM, or where RAM refuses it into a `bytes`. Then `valid()` says whether the buffer was still ours
+        for the whole copy: if not, the RAM copies are dropped again and None returned (no reader saw them:
+        all under the lock). Else, per key, (expires_at for `put_home`, the bytes it writes: the RAM copy, a
+        view that keeps it, or the private one)."""
+        now = self._clock()
+        out: list[tuple[float | None, bytes | memoryview]] = []
+        with self._hot:
+            for key, view in zip(keys, views):
+                expires_at = self.put_hot(key, view, ttl_s)
+                entry = self._ram.get([key], now)[0] if self._ram is not None and expires_at is not None else None
+                out.append((expires_at, entry[0] if entry is not None else bytes(view)))
+            if not valid():
+                if self._ram is not None:
+                    self._ram.delete(list(keys))
+                return None
+        return out
+
+    def put_home(self, key: bytes, data: bytes | memoryview, expires_at: float) -> bool:
         """The second half, on the I/O thread: the write to the entry's home tier, the copy that counts."""
         home = self._short if expires_at or self._long is None else self._long
         if not home.put(key, data, expires_at, self._clock()):

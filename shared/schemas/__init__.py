@@ -13,7 +13,8 @@ against these dataclasses where a message arrives).
     workers -> balancer (and gateway)        workers.py    Heartbeat, RequestDone
     workers <-> balancer (expert placement)  experts.py    ExpertLoad (routing counts), ExpertPlan
     prefill/decode (and gateway) -> kvcache  kv.py         KvLookup, KvGet, KvPut, KvGetRun, KvPutBatch, KvPutShm,
-                                                           KvGetRunShm, KvDelete and their replies; KvStats ->
+                                                           KvGetRunShm, KvGetHeap, KvDelete and their replies;
+                                                           KvHeapRelease (core); KvStats ->
                                                            KvStatsReply (KvTierStats), for /metrics
     decode -> prefill (the KV hand-over)     kv_peer.py    KvPeerPull -> KvPeerReply (KvPeerShm | KvPeerCuda); KvPeerDone
     caches -> balancer (who holds what)      events.py     KvEvent; KvSnapshotRequest -> KvSnapshot

@@ -112,6 +112,39 @@ class KvShmReply:
 
 
 @dataclass(frozen=True)
+class KvGetHeap:
+    """A same-host reader asks where the leading run of `keys` lies in the store's shared heap (shared/kv_heap.py),
+    under a read lease until `deadline`. Only the part the RAM tier holds is answered; the reader gets the rest
+    the other ways (`kv.get.shm`, `kv.get.run`)."""
+
+    keys: list[bytes]
+    arena: str  # the reader's arena and its token: the store maps it, which proves it is on the same host
+    token: bytes
+    deadline: float  # CLOCK_MONOTONIC: the lease's end the reader asks for (the store may grant less)
+
+
+@dataclass(frozen=True)
+class KvHeapReply:
+    heap: str  # the heap's path; "" when the store has no shared heap or the reader is not on its host
+    token: bytes = b""  # the heap's token (a fresh one per heap file)
+    instance: str = ""  # the store that granted the lease: kv.heap.release.<instance> ends it
+    lease: int = 0  # 0: nothing lent (the first key is not in RAM)
+    offsets: list[int] = field(default_factory=list)  # blob i of the run lies at heap[offsets[i] :][: lengths[i]]
+    lengths: list[int] = field(default_factory=list)
+    deadline: float = 0.0  # CLOCK_MONOTONIC: the lease granted; a reader that has not locked the bytes by then
+    # must not read them
+
+
+@dataclass(frozen=True)
+class KvHeapRelease:
+    """A reader is done with a heap lease (its import is over): the store may free what it deferred (core
+    publish; lost, the lease ends at its deadline)."""
+
+    lease: int
+    token: bytes  # the heap's: a release meant for a store that has restarted since ends nothing of the new one
+
+
+@dataclass(frozen=True)
 class KvDelete:
     keys: list[bytes]
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from shared.kv_arena import Arena
+from shared.kv_heap import HeapMap
 from shared.schemas.kv_peer import CudaHandle, KvPeerCuda
 
 if TYPE_CHECKING:
@@ -117,6 +118,24 @@ def pin_host(arena: Arena) -> bool:
     address = mapped.ctypes.data
     del mapped  # no export of the map may outlive close(): the address is all the undo needs
     arena.before_close.append(lambda: cudart.cudaHostUnregister(address))
+    return True
+
+
+HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA 11.1+): the store's heap is mapped read-only
+
+
+def pin_heap(heap: HeapMap) -> bool:
+    """Page-lock a worker's read-only map of the store's heap (shared/kv_heap.py), as `pin_host` does an arena:
+    a store hit's bytes cross to the device from it, so pinned they go as one DMA. Undone before the map goes.
+    False where the driver refuses (no read-only registration): the copies stay pageable (slower, not wrong)."""
+    address, size = heap.address()
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(address, size, HOST_REGISTER_READ_ONLY)
+    if int(err) != 0:
+        log.info("cudaHostRegister of %s (%d MiB, read-only) refused (%s): copies stay pageable", heap.path,
+                 size >> 20, err)
+        return False
+    heap.before_close.append(lambda: cudart.cudaHostUnregister(address))
     return True
 
 

@@ -13,6 +13,13 @@ With an `Arena` (shared/kv_arena.py: the worker and the store on one host) the s
 lengths; the bytes go through shared memory. The first reply that says the store cannot map the arena (another
 host) turns it off for good, and the bytes go over NATS again.
 
+Where the store keeps its RAM tier in a shared heap (shared/kv_heap.py), a get through the arena first asks
+where the run lies in it (`kv.get.heap`): the store answers with descriptors under a read lease, this client
+maps the heap read-only once (again when the store restarted: a new file, a new token) and returns views of
+it, read-locked until the last is dropped; then it releases the lease. The store copies nothing; the engine
+imports from the heap as from an arena slot. What the heap lacks, or anything wrong on the way (a token that
+does not match, a lease that ended before the views were locked), is read the arena's way.
+
 One copy each way through the arena: `put_run` has the engine export a run's blocks straight into arena slots
 (no `bytes` per block), and `get_run` hands back views of the slots the store wrote into, which the engine
 imports from; a slot lent to views comes back when the last of them is gone. Views are lent while more than a
@@ -36,12 +43,16 @@ from typing import TypeVar, Union
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.kv_arena import ARENA_MIB, Arena, arena_path, remove_stale
+from shared.kv_heap import HeapMap
 from shared.schemas.kv import (
     KvGet,
     KvGetReply,
     KvGetRun,
     KvGetRunReply,
+    KvGetHeap,
     KvGetRunShm,
+    KvHeapRelease,
+    KvHeapReply,
     KvLookup,
     KvLookupReply,
     KvPutBatch,
@@ -93,17 +104,21 @@ def open_client(bus: Bus, transport: str, instance: str, *, message_bytes: int =
 
 class KvClient:
     def __init__(self, bus: Bus, timeout: float = 5.0, *, message_bytes: int = 4 * MiB, window_bytes: int = 8 * MiB,
-                 arena: Arena | None = None) -> None:
+                 arena: Arena | None = None, heap: bool = True) -> None:
         """message_bytes: blobs per batch message, in bytes (a bigger blob goes alone); window_bytes: batches in
         flight at once, in bytes (at least one): keep it well under the server's 32 MiB per connection, for
         several workers may write to one kvcache instance at once. arena: move the bytes through it (its slots
-        should be `message_bytes` and number window_bytes // message_bytes + 1)."""
+        should be `message_bytes` and number window_bytes // message_bytes + 1); heap: with an arena, read the
+        store's RAM hits from its shared heap by descriptor where it has one."""
         self._bus = bus
         self._timeout = timeout
         self._message_bytes = min(message_bytes, bus.max_payload - MESSAGE_OVERHEAD)
         self._window_bytes = window_bytes
         self._reserve = window_bytes // self._message_bytes + 1  # slots kept from views: the window's own
         self.arena = arena
+        self.heap_on = heap  # turned off for good when the store says it has no heap for this client
+        self.heap: HeapMap | None = None  # the store's heap, mapped on the first reply that names it
+        self.on_heap: Callable[[HeapMap], object] | None = None  # called with each new map (a GPU worker pins it)
         # what this worker saw of the store, for its health report: blocks put / not stored, gets that failed
         self.counts: Counter[str] = Counter()
 
@@ -148,6 +163,11 @@ class KvClient:
         return run
 
     async def _read_run(self, keys: Sequence[bytes], run: list[Blob]) -> None:
+        if self.arena is not None and self.heap_on:
+            leased = await self._get_heap(self.arena, keys)
+            if leased is None:
+                return  # the store did not answer: a miss, within one timeout
+            run += leased
         while len(run) < len(keys):
             rest = keys[len(run) :]
             first = await self._get_chunk(rest)
@@ -372,6 +392,47 @@ class KvClient:
         arena.give(offset)
         return KvGetRunReply(blobs, reply.ended)
 
+    async def _get_heap(self, arena: Arena, keys: Sequence[bytes]) -> list[Blob] | None:
+        """Views of the store's heap for the leading run of `keys` its RAM tier holds ([] for none, or when
+        anything is wrong: the caller reads those blocks the arena's way); None when the store did not answer."""
+        request = KvGetHeap(list(keys), str(arena.path), arena.token, time.monotonic() + self._timeout)
+        try:
+            reply = await self._bus.request(subjects.KV_GET_HEAP, request, KvHeapReply, timeout=self._timeout)
+        except BusTimeout as exc:
+            log.warning("kv heap get failed: %s", exc)
+            self.counts["gets_failed"] += 1
+            return None  # if it was granted, the lease ends at its deadline
+        if not reply.heap:
+            self.heap_on = False  # no shared heap there, or not for this host: stop asking
+            return []
+        if not reply.lease:
+            return []
+        if self.heap is None or not self.heap.names(reply.heap, reply.token):
+            self.heap = HeapMap.open(reply.heap, reply.token)  # (re)map: a first reply, or a restarted store
+            if self.heap is not None and self.on_heap is not None:
+                self.on_heap(self.heap)
+        release = functools.partial(self._release_heap, asyncio.get_running_loop(), reply.instance,
+                                    KvHeapRelease(reply.lease, reply.token))
+        views = self.heap.lend(reply.offsets, reply.lengths, reply.deadline, release) if self.heap else None
+        if views is None:  # not mapped (token, map failure) or the lease ended first: never read those bytes
+            self.counts["heap_refused"] += 1
+            release()
+            return []
+        self.counts["blocks_via_heap"] += len(views)
+        return list(views)
+
+    def _release_heap(self, loop: asyncio.AbstractEventLoop, instance: str, message: KvHeapRelease) -> None:
+        """End a heap lease (fire and forget), from whichever thread dropped the last view."""
+
+        def send() -> None:
+            task = asyncio.ensure_future(self._bus.publish(subjects.kv_heap_release(instance), message))
+            task.add_done_callback(_quiet)
+
+        try:
+            loop.call_soon_threadsafe(send)
+        except RuntimeError:  # the loop is closed (shutting down): the lease ends at its deadline
+            pass
+
     async def _put_shm(self, arena: Arena, keys: list[bytes], blobs: list[bytes], ttl_s: float) -> int | None:
         if sum(map(len, blobs)) > arena.slot_bytes or (offset := arena.take()) is None:
             return None
@@ -398,6 +459,12 @@ class KvClient:
             self.arena = None
             self.counts["arena_refused"] += 1
         return reply
+
+
+def _quiet(task: asyncio.Future[None]) -> None:
+    """A release not sent (the bus is gone): its lease ends at its deadline anyway."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("kv heap release not sent: %s", task.exception())
 
 
 def _settle(arena: Arena, offset: int, deadline: float, done: asyncio.Future[KvShmReply]) -> None:

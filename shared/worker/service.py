@@ -38,7 +38,7 @@ from shared.kv_events import EventPublisher
 from shared.worker.config import WorkerConfig
 from shared.worker.expert_counts import ExpertCounts
 from shared.kv_arena import Arena
-from shared.worker.kv_cuda_ipc import pin_host
+from shared.worker.kv_cuda_ipc import pin_heap, pin_host
 from shared.worker.kv_transfer import KvTransfer
 from shared.worker.kvclient import MiB, KvClient, open_client
 from shared.models import resolve
@@ -211,9 +211,12 @@ class EngineWorker(ABC):
 
     def _pin_arenas(self) -> None:
         """On a GPU, page-lock the shared-memory arenas whose bytes cross to or from the device (the store's runs
-        imported, a hand-over exported), so each crossing is one DMA at the bus's rate."""
+        imported, a hand-over exported), so each crossing is one DMA at the bus's rate; and each map of the store's
+        shared heap as the worker makes it (store hits are imported from there)."""
         for arena in self.arenas():
             pin_host(arena)
+        if self.kv is not None:
+            self.kv.on_heap = pin_heap
 
     def arenas(self) -> list[Arena]:
         """This worker's shared-memory arenas (the store's; a role may add its own)."""

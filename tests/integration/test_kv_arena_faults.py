@@ -162,7 +162,8 @@ async def test_a_cancel_mid_transfer_gives_every_slot_back(nats_url: str, tmp_pa
     """A request cancelled while its blocks move (the client left): a put cancelled during its export and a get
     cancelled while its chunks are in flight leave no slot lent and none retired."""
     service = KvCacheService(KvCacheConfig(tmp_path / "kvcache", capacity_bytes=64 << 20, map_size=128 << 20,
-                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, instance="kv-cancel"))
+                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, ram_heap="off",
+                                           instance="kv-cancel"))  # the arena's slots (no heap: the get is chunked)
     bus = await Bus.connect(nats_url, "kv-cancel")
     kv = open_client(bus, "shm", f"test-cancel-{os.getpid()}", message_bytes=4 * BLOCK, window_bytes=8 * BLOCK,
                      arena_bytes=32 * BLOCK)

@@ -18,6 +18,7 @@ from shared.bus import Bus, BusTimeout
 from shared.worker.kvclient import KvClient
 from shared.launch.process import die_with_parent
 from shared.schemas.health import HealthReply, HealthRequest
+from shared.kv_heap import remove_stale as remove_stale_heaps
 from shared.service import health_subject
 
 MiB = 1 << 20
@@ -33,9 +34,14 @@ def start_kvcache(nats_url: str, state_dir: Path, instance: str) -> subprocess.P
         "--ssd-segment-bytes", str(2 * MiB), "--capacity-bytes", str(32 * MiB), "--map-size", str(64 * MiB),
     ]  # fmt: skip
     try:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     finally:
         log.close()
+    _instances[process.pid] = instance
+    return process
+
+
+_instances: dict[int, str] = {}  # started stores' instance names, by pid
 
 
 async def wait_ready(bus: Bus, instance: str, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -60,6 +66,8 @@ def kill(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGKILL)
         process.wait(10)
+    if (instance := _instances.pop(process.pid, None)) is not None:
+        remove_stale_heaps(instance)  # a killed store's shared heap (the next store of its name would remove it)
 
 
 async def test_sigkill_mid_write_then_restart_keeps_every_stored_block(nats_url: str, tmp_path: Path) -> None:

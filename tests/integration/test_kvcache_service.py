@@ -167,7 +167,8 @@ async def test_same_host_workers_move_the_bytes_through_shared_memory(nats_url: 
     """The shm transport: blocks there and back through the worker's arena, NATS carrying lengths only; a blob
     bigger than a slot goes over NATS; a store that cannot map the arena turns the path off, and nothing is lost."""
     service = KvCacheService(KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20,
-                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, instance="kv-shm"))
+                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, ram_heap="off",
+                                           instance="kv-shm"))  # the arena's path (the heap's: test_kv_heap.py)
     bus = await Bus.connect(nats_url, "kvcache-shm")
     client = open_client(bus, "shm", f"test-{os.getpid()}", message_bytes=4 * BLOCK, window_bytes=8 * BLOCK,
                          arena_bytes=32 * BLOCK)  # 8 slots of 4 blocks, 3 of them the window's reserve
@@ -218,7 +219,8 @@ async def test_a_run_moves_engine_to_arena_to_engine_with_one_copy_each_way(nats
     src.kv.uniform_()
     bb = src.block_bytes  # 32 KiB
     service = KvCacheService(KvCacheConfig(tmp_path / "kvcache", capacity_bytes=16 << 20, map_size=32 << 20,
-                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, instance="kv-run"))
+                                           ram_bytes=64 << 20, ssd_bytes=128 << 20, ram_heap="off",
+                                           instance="kv-run"))
     bus = await Bus.connect(nats_url, "kvcache-run")
     client = open_client(bus, "shm", f"test-run-{os.getpid()}", message_bytes=4 * bb, window_bytes=8 * bb,
                          arena_bytes=64 * bb)  # 16 slots of 4 blocks
