@@ -177,14 +177,20 @@ def _prefill_kernel(
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float,
-    block_m: int = 64, block_n: int = 64,
+    block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (T, H, D): sequence s owns rows [q_starts[s], q_starts[s] + q_lens[s]) at positions
-    [context_lens[s] - q_lens[s], context_lens[s]). Returns (T, H, D)."""
+    [context_lens[s] - q_lens[s], context_lens[s]). Returns (T, H, D), in `out` when given (rows no sequence
+    owns keep what it holds).
+
+    A row's result depends only on its own query, its position and the keys: its reduction runs over keys
+    0, block_n, 2 block_n, ... (keys past its position add exact zeros), so with fixed tiles a position gets
+    the same bits whatever chunk it is in, a one-row decode step included (the deterministic mode's use)."""
     T, H, D = q.shape
     _, BT, KV, _ = k_cache.shape
     S = q_lens.shape[0]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), S, H)](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens,
         scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
