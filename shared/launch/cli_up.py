@@ -79,6 +79,9 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                          f"and {GPU_BATCH_TOKENS['decode']} for decode")
     workers.add_argument("--enforce-eager", action="store_true", default=default_of(WorkerConfig, "enforce_eager"),
                          help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
+    workers.add_argument("--deterministic", action="store_true", default=default_of(WorkerConfig, "deterministic"),
+                         help="batch-invariant kernels on the GPU: a migrated request continues token-identically "
+                              "in bf16 (Llama-family models; costs throughput: bench/deterministic.py)")
     workers.add_argument("--speculative-tokens", type=int, default=default_of(WorkerConfig, "speculative_tokens"),
                          help="most drafts verified per decode step (0 = off)")
     workers.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
