@@ -169,8 +169,8 @@ class EngineWorker(ABC):
         assert self.engine is not None
         await self._publish_kv_events(engine, self.engine)
         self.engine.start()
-        log.info("loaded %s in %.1fs on %s (%s)", self.model_name, time.monotonic() - started, engine.device,
-                 str(engine.dtype).removeprefix("torch."))
+        log.info("loaded %s in %.1fs on %s (%s%s)", self.model_name, time.monotonic() - started, engine.device,
+                 str(engine.dtype).removeprefix("torch."), ", deterministic" if engine.deterministic else "")
         log.info("%s", engine.memory().line())
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         await self.serve_handover()
