@@ -14,7 +14,7 @@ import sys
 
 from services.gateway.config import GatewayConfig
 from services.recipe.config import RecipeConfig
-from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS, HelpFormatter, ServiceConfig
+from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS, TRUE, HelpFormatter, ServiceConfig
 from shared.config import default_of, model_names
 from shared.nats_urls import server_urls
 from shared.logs import LOG_FORMATS
@@ -121,6 +121,8 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
         value = os.environ.get(env_name(action))
         if value is None or value == "":
             continue
+        if isinstance(action, argparse._StoreTrueAction):  # a switch: "0" / "false" must not read as set
+            value = value.lower() in TRUE
         action.default = value
 
 

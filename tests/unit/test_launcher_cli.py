@@ -326,3 +326,12 @@ def test_deterministic_reaches_every_worker_and_only_them(tmp_path: Path) -> Non
     assert all("--deterministic" not in argv[s] for s in ("gateway", "recipe", "balancer", "kvcache"))
     plain = build_plan(cli_up.parse([]), tmp_path, "nats://127.0.0.1:4222")
     assert all("--deterministic" not in c.argv for c in plain.children)
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("0", False), ("false", False)])
+def test_a_switch_from_the_environment_reads_as_a_switch(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                         expected: bool) -> None:
+    monkeypatch.setenv("DEEPINFER_DETERMINISTIC", value)
+    monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", value)
+    args = cli_up.parse([])
+    assert args.deterministic is expected and args.enforce_eager is expected
