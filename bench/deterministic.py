@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import random
 import statistics
 import sys
@@ -74,7 +75,14 @@ def holds(model: LoadedModel, deterministic: bool, max_running: int) -> str:
                           deterministic=deterministic)
     prompt, *others = det.prompts(8, model.config.vocab_size, seed=9, lo=20, hi=300)
     tokens, bitwise, diff = det.alone_vs_batched(make, prompt, others, 16, GREEDY)
+    free()
     return "bitwise" if bitwise else f"differs ({diff:.2g}){'' if tokens else ', tokens too'}"
+
+
+def free() -> None:
+    """Engines hold reference cycles (the logit tap's wrapper): collect them before the next one is built."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -98,7 +106,7 @@ def main() -> None:
             figures = [decode_tps(engine, b, vocab, seed=b) for b in args.batches]
             figures.append(prefill_tps(engine, args.prefill, vocab))
             del engine
-            torch.cuda.empty_cache()
+            free()
             cells = [f"{f:,.0f}" for f in figures]
             if deterministic:
                 cells = [f"{f:,.0f} ({f / b:.0%})" for f, b in zip(figures, base)]
@@ -108,7 +116,7 @@ def main() -> None:
                         + [holds(model, deterministic, 8)])
             print(" | ".join(rows[-1]), flush=True)
         del model
-        torch.cuda.empty_cache()
+        free()
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
     text = (f"# Deterministic mode: cost on {torch.cuda.get_device_name()} ({datetime.date.today()})\n\n"
             f"torch {torch.__version__}; `python bench/deterministic.py {' '.join(sys.argv[1:])}`. Deterministic "
