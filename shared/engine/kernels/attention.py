@@ -164,7 +164,9 @@ def _prefill_kernel(
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see nothing
-            alpha = tl.exp(m - m_safe)
+            # exactly 1 while the max stands (a block the row cannot see changes nothing, to the bit: the
+            # deterministic mode's prefill rows run past their own keys, decode rows do not)
+            alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_safe))
             p = tl.exp(scores - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
