@@ -5,8 +5,8 @@
             the residual add, SwiGLU; logits straight to float32 from the bf16 lm_head GEMM
     deterministic
             triton's, made batch-invariant (--deterministic, kernels/invariant.py): every linear layer and the
-            lm_head through one fixed-tile Triton GEMM, attention through the paged prefill kernel with one
-            fixed tile for decode and prefill alike, no fused small-batch GEMVs; a row's bits depend on that
+            lm_head through one fixed-tile Triton GEMM, one paged attention kernel with one fixed tile for
+            decode and prefill alike, no fused small-batch GEMVs; a row's bits depend on that
             row alone, not on its batch, its padding or whether its position came from prefill or decode
 
 Both take the same arguments and compute the same function; the torch ops are what the kernels are tested
@@ -251,16 +251,8 @@ class DeterministicOps(TritonOps):
         b = meta.batch
         assert b is not None, "the Triton path needs the batched metadata (ModelRunner builds it on GPUs)"
         k_cache, v_cache = kv.layer(layer)
-        q_starts, q_lens, max_q_len = b.q_starts, b.q_lens, b.max_q_len
-        if b.decode:  # row s is sequence s's one query (a CUDA graph's padding rows have context 0: none)
-            S = b.context_lens.shape[0]
-            q_starts = torch.arange(S, dtype=b.context_lens.dtype, device=q.device)
-            q_lens = (b.context_lens > 0).to(b.context_lens.dtype)
-            max_q_len = 1
-        out = torch.zeros((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
-        return self._attn.prefill_attention(q, k_cache, v_cache, b.block_tables, q_starts, q_lens, b.context_lens,
-                                            max_q_len, scale, block_m=self._inv.DET_BLOCK_M,
-                                            block_n=self._inv.DET_BLOCK_N, out=out)
+        return self._inv.attention(q, k_cache, v_cache, b.block_tables, b.q_starts, b.q_lens, b.context_lens,
+                                   1 if b.decode else b.max_q_len, scale, b.decode)
 
     def lm_head(self, h, weight):
         return self._inv.matmul(h, weight, out_dtype=torch.float32)

@@ -103,7 +103,7 @@ def test_log_softmax_row_is_batch_invariant() -> None:
 # --- attention: decode step == the same position in a prefill chunk, in any batch -----------------------------
 
 BT = 4  # tokens per page: a short context spans many pages
-H, KV, D = 4, 2, 16
+D = 16
 
 
 class _Layer:
@@ -118,13 +118,17 @@ class _Layer:
 
 def _meta(ctx: list[int], q_lens: list[int], tables: torch.Tensor, decode: bool) -> AttentionMetadata:
     t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
-    batch = BatchTensors(tables, t(ctx), t(q_starts), t(q_lens), max(q_lens), max(ctx), decode, False)
+    if decode:  # as DecodeGraphs builds it: no q_starts / q_lens, one placeholder each
+        batch = BatchTensors(tables, t(ctx), t([0]), t([0]), 1, max(ctx), True, False)
+    else:
+        q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+        batch = BatchTensors(tables, t(ctx), t(q_starts), t(q_lens), max(q_lens), max(ctx), False, False)
     return AttentionMetadata(t([]), [], batch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_decode_equals_prefill_in_any_batch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("H,KV", [(4, 2), (6, 2)])  # 2 or 3 query heads a KV head (a tile: 8 or 5 queries)
+def test_attention_decode_equals_prefill_in_any_batch(dtype: torch.dtype, H: int, KV: int) -> None:
     gen = torch.Generator().manual_seed(7)
     ops = DeterministicOps()
     num_blocks = 80
@@ -137,7 +141,9 @@ def test_attention_decode_equals_prefill_in_any_batch(dtype: torch.dtype) -> Non
     ctx = 70  # position 69: two key tiles (64 keys each), the second partial
     q_chunk = rand(gen, 20, H, D, dtype=dtype)  # sequence 0's positions 50..69, the last is ours
     # 1. prefill: the chunk alone, then next to other sequences' chunks
-    prefill = ops.attention(q_chunk, cache, 0, _meta([ctx], [20], tables[:1], False), 1.0 * scale)
+    prefill = ops.attention(q_chunk, cache, 0, _meta([ctx], [20], tables[:1], False), scale)
+    tail = ops.attention(q_chunk[7:].clone(), cache, 0, _meta([ctx], [13], tables[:1], False), scale)  # 57..69
+    assert torch.equal(tail, prefill[7:]), "another chunking of the same positions differs"
     others = rand(gen, 9, H, D, dtype=dtype)
     q_mixed = torch.cat([others[:5], q_chunk, others[5:]])  # sequence 1 (5 rows) | ours (20) | sequence 2 (4)
     mixed = ops.attention(q_mixed, cache, 0, _meta([33, ctx, 90], [5, 20, 4], tables[[1, 0, 2]].contiguous(), False),

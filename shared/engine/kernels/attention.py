@@ -164,9 +164,7 @@ def _prefill_kernel(
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see nothing
-            # exactly 1 while the max stands (a block the row cannot see changes nothing, to the bit: the
-            # deterministic mode's prefill rows run past their own keys, decode rows do not)
-            alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_safe))
+            alpha = tl.exp(m - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -179,20 +177,14 @@ def _prefill_kernel(
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float,
-    block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
+    block_m: int = 64, block_n: int = 64,
 ) -> torch.Tensor:
     """q (T, H, D): sequence s owns rows [q_starts[s], q_starts[s] + q_lens[s]) at positions
-    [context_lens[s] - q_lens[s], context_lens[s]). Returns (T, H, D), in `out` when given (rows no sequence
-    owns keep what it holds).
-
-    A row's result depends only on its own query, its position and the keys: its reduction runs over keys
-    0, block_n, 2 block_n, ... (keys past its position add exact zeros), so with fixed tiles a position gets
-    the same bits whatever chunk it is in, a one-row decode step included (the deterministic mode's use)."""
+    [context_lens[s] - q_lens[s], context_lens[s]). Returns (T, H, D)."""
     T, H, D = q.shape
     _, BT, KV, _ = k_cache.shape
     S = q_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(q)
+    out = torch.empty_like(q)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), S, H)](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens,
         scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
