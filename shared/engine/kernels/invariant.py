@@ -11,7 +11,6 @@ Here each kernel is compiled once per weight shape and run with the same tiles f
                  i's dot products see the same operands in the same order whatever rows surround it.
     log_softmax  one program per row over the vocabulary in fixed chunks: max, then the sum of exp, then the
                  values (logprobs and the sampler's softmax read the same numbers for a row in any batch).
-
     attention    paged, causal, for prefill chunks and decode steps alike: program (tile, s, kv_head) holds
                  ATT_ROWS rows, each a (query, head) pair of the G query heads sharing that KV head, so K/V are
                  read once per KV head (a decode step's tile is its one query's G heads). Every row reduces
