@@ -22,6 +22,7 @@ back and serves (/health), so scenarios do not overlap (nats-kill: a NATS restar
 Add one by writing the function and naming it there.
 
     .venv/bin/python bench/chaos.py [--requests 24] [--concurrency 6] [--max-tokens 32] [--scenarios decode-kill]
+        [--deterministic]
 """
 
 from __future__ import annotations
@@ -248,10 +249,13 @@ def main() -> None:
     p.add_argument("--prompt-lines", type=int, default=12, help="prompt length: ~15 tokens a line")
     p.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS))
     p.add_argument("--out", type=Path, default=None, help="also write the results here (markdown)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="workers with batch-invariant kernels (on a GPU: every stream identical across kills in bf16)")
     args = p.parse_args()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="chaos-") as state:
-        mesh = start_mesh(Path(state), "--prefill-workers", "2", "--decode-workers", "2")
+        mesh = start_mesh(Path(state), "--prefill-workers", "2", "--decode-workers", "2",
+                          *(["--deterministic"] if args.deterministic else []))
         try:
             rows = asyncio.run(bench(args, mesh))
         finally:
@@ -259,7 +263,8 @@ def main() -> None:
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     header = (f"{time.strftime('%Y-%m-%d', time.gmtime(started))}, {platform.machine()}, {os.cpu_count()} CPUs "
               f"(load average at the end {load}), {MODEL}, {args.requests} requests x {args.max_tokens} tokens, "
-              f"{args.concurrency} at a time, {args.prompt_lines * 15} or so prompt tokens")
+              f"{args.concurrency} at a time, {args.prompt_lines * 15} or so prompt tokens"
+              f"{', --deterministic' if args.deterministic else ''}")
     report = f"{header}\n\n{table(rows)}\n"
     print("\n" + report)
     if args.out is not None:

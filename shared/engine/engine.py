@@ -42,7 +42,8 @@ from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.processors import LogitsProcessors
 from shared.engine.protocols import Cache, CountsExperts, GraphsDecode, HasOwnCache
-from shared.engine.sampler import sample, sample_on_device, token_logprobs
+from shared.engine.sampler import (RowOp, sample, sample_on_device, token_logprobs, torch_log_softmax,
+                                   torch_softmax)
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
 from shared.engine.verify_policy import make_policy
@@ -51,6 +52,25 @@ from shared.schemas.generate import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = ["Engine", "EngineRequest", "EngineStats", "RequestError", "StepOutput", "run_to_completion"]
 
+
+
+def _kernels(kernels: str, deterministic: bool, device: torch.device) -> str:
+    """The ops backend: --deterministic means the batch-invariant one on a GPU; the CPU keeps the torch ops."""
+    if not deterministic or kernels == "deterministic":
+        return kernels
+    if kernels not in ("auto", "triton"):
+        raise ValueError(f"--deterministic needs the Triton kernels, not {kernels!r}")
+    return "deterministic" if device.type == "cuda" or kernels == "triton" else "torch"
+
+
+def _row_ops(ops: str) -> tuple[RowOp, RowOp]:
+    """The sampler's softmax and the logprobs' log-softmax: one program per row in a fixed order when
+    deterministic (torch's kernels pick their reduction by the row length only, but are not ours to pin)."""
+    if ops != "deterministic":
+        return torch_softmax, torch_log_softmax
+    from shared.engine.kernels import invariant
+
+    return invariant.softmax, invariant.log_softmax
 
 
 def graph_buckets(max_running: int) -> tuple[int, ...]:
@@ -116,6 +136,7 @@ class Engine:
         gpu_memory_utilization: float | None = None,
         quantization: str = "auto",
         vocabulary: Callable[[], Seq[bytes]] | None = None,
+        deterministic: bool = False,
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -128,7 +149,10 @@ class Engine:
         a checkpoint's FP8 / FP4 weights as shipped on a GPU (DeepSeek-V4's release, read by the Triton kernels),
         "bf16" dequantizes them (always so on a CPU: QUANTIZATIONS); vocabulary: each token id's bytes for
         constrained decoding (grammar.py), loaded at the first constrained request (default: the tokenizer the
-        model is served with)."""
+        model is served with); deterministic: batch-invariant kernels on a GPU (ops.py "deterministic"): a
+        request's logits are the same bits whatever its batch and whether a position came from prefill or
+        decode, so a migrated continuation is token-identical in bf16 (on a CPU the torch ops, fp32, as
+        always; `kernels` may still name "deterministic" there, under Triton's interpreter, for tests)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
@@ -138,8 +162,13 @@ class Engine:
             resolve(model) if isinstance(model, str) else model, keep_quantized=keep)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.config: ModelConfig = loaded.config
-        self.ops = select_ops(self.device, kernels)
+        self.ops = select_ops(self.device, _kernels(kernels, deterministic, self.device))
         self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, self.ops)
+        if self.ops.name == "deterministic" and not getattr(self.model, "batch_invariant", False):
+            raise ValueError(f"--deterministic: no batch-invariant kernels for {loaded.config.arch} models yet "
+                             "(the Llama family has them)")
+        self.deterministic = self.ops.name == "deterministic"
+        self._softmax, self._log_softmax = _row_ops(self.ops.name)
         self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
         self.has_request_state = self.spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = self.spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
@@ -180,7 +209,7 @@ class Engine:
         self.max_tokens = min(self.context_cap, num_blocks * self.block_tokens)
         # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4 packs its own
         # decode batch (its per-request state) and captures its own graphs (GraphsDecode), not while it drafts
-        batched = self.ops.name == "triton" and not isinstance(self.model, HasOwnCache)
+        batched = self.ops.batched and not isinstance(self.model, HasOwnCache)
         own = isinstance(self.model, GraphsDecode) and self.ops.name == "triton" and not self.speculative
         on_gpu = (batched or own) and self.cuda_graphs and self.device.type == "cuda"
         graphs = graph_buckets(self.max_running) if on_gpu else ()
@@ -247,7 +276,7 @@ class Engine:
         self.scheduler.commit(plan)  # after reading output positions: it advances them
         if self.speculative:  # the drafts are verified at once: the next step's chunks depend on them
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
-                sample_on_device(logits, specs, positions).tolist())
+                sample_on_device(logits, specs, positions, self._softmax).tolist())
             logprobs = self._logprobs(raw, specs, torch.tensor(sampled, device=self.device))
             return _Launched(plan, spec_decode.verify(plan, sampled, self.processors, self.acceptance, self.policy),
                              logprobs=logprobs)
@@ -258,7 +287,7 @@ class Engine:
                 self.runner.feed(torch.tensor(tokens, dtype=torch.long))
             return _Launched(plan, tokens, logprobs=self._logprobs(raw, specs, torch.tensor(tokens)))
         # on the device, batched; the one host round trip is reading the tokens back, one step later
-        dev_tokens = sample_on_device(logits, specs, positions)  # (N,) int64
+        dev_tokens = sample_on_device(logits, specs, positions, self._softmax)  # (N,) int64
         self.processors.record(dev_tokens)
         if self.overlap:
             self.runner.feed(dev_tokens)
@@ -276,7 +305,7 @@ class Engine:
         if not rows:
             return None
         counts = [specs[i].logprobs for i in rows]
-        parts = token_logprobs(raw, rows, tokens.to(raw.device), max(counts))
+        parts = token_logprobs(raw, rows, tokens.to(raw.device), max(counts), self._log_softmax)
         if self.device.type == "cuda":  # into pinned memory, so the copies do not wait for the device
             parts = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
                           for p in parts)

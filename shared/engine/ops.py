@@ -3,6 +3,11 @@
     torch   the reference: plain torch ops, the CPU path (and a GPU fallback without Triton)
     triton  fused Triton kernels (kernels/): RoPE + KV write, paged decode / prefill attention, RMSNorm with
             the residual add, SwiGLU; logits straight to float32 from the bf16 lm_head GEMM
+    deterministic
+            triton's, made batch-invariant (--deterministic, kernels/invariant.py): every linear layer and the
+            lm_head through one fixed-tile Triton GEMM, one paged attention kernel with one fixed tile for
+            decode and prefill alike, no fused small-batch GEMVs; a row's bits depend on that
+            row alone, not on its batch, its padding or whether its position came from prefill or decode
 
 Both take the same arguments and compute the same function; the torch ops are what the kernels are tested
 against. Residual adds return the new residual: the torch ops allocate it, the kernels update it in place.
@@ -22,6 +27,9 @@ from shared.engine.kv_cache import KVCache
 
 class Ops(Protocol):
     name: str
+    batched: bool  # takes the packed batch metadata (BatchTensors) and serves CUDA graphs (the Triton kinds)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor, fed: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -64,7 +72,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class TorchOps:
     name = "torch"
+    batched = False
     gemv_rows = 0  # the unfused forward always; the fused forms below are the reference for the kernels
+
+    def linear(self, x, weight):
+        return F.linear(x, weight)
 
     def norm_linear(self, x, norm, eps, weight):
         return F.linear(rms_norm(x, norm, eps), weight)
@@ -115,6 +127,7 @@ class TritonOps:
     prefix (fresh prompts) use torch's flash SDPA per sequence; anything else the paged prefill kernel."""
 
     name = "triton"
+    batched = True
 
     def __init__(self) -> None:
         # decorated here: after TRITON_INTERPRET is known
@@ -126,6 +139,9 @@ class TritonOps:
         self.gemv_rows = 8  # decode at batch <= 8: Triton GEMVs with norm / residual / SwiGLU fused in
         self._fp32_heads: dict[int, torch.Tensor] = {}
         self._mm_to_fp32: bool | None = None  # does torch.mm(bf16, bf16, out_dtype=float32) run here?
+
+    def linear(self, x, weight):
+        return F.linear(x, weight)
 
     def embed(self, ids, weight, fed):
         return self._fused.embed(ids, weight, fed)
@@ -203,7 +219,46 @@ class TritonOps:
         return F.linear(h.float(), w32)
 
 
-OPS: dict[str, type] = {"torch": TorchOps, "triton": TritonOps}
+class DeterministicOps(TritonOps):
+    """TritonOps with every reduction in an order fixed by the row alone (kernels/invariant.py). What it turns
+    off: cuBLAS (its per-M algorithms and split-K), the fused small-batch GEMVs (their norm-in-prologue rounds
+    differently from the unfused path other batch sizes take), the split-KV decode kernel (its split size
+    follows the batch's longest context) and flash SDPA for fresh prompts (another reduction order than the
+    paged kernel decode uses)."""
+
+    name = "deterministic"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shared.engine.kernels import invariant
+
+        self._inv = invariant
+        self.gemv_rows = 0
+
+    def linear(self, x, weight):
+        return self._inv.matmul(x, weight)
+
+    def norm_linear(self, x, norm, eps, weight):
+        return self.linear(self.rms_norm(x, None, norm, eps)[0], weight)
+
+    def norm_swiglu(self, x, norm, eps, gate_up):
+        return self.silu_mul(self.norm_linear(x, norm, eps, gate_up))
+
+    def linear_residual(self, a, weight, x):
+        return x + self.linear(a, weight)
+
+    def attention(self, q, kv, layer, meta, scale):
+        b = meta.batch
+        assert b is not None, "the Triton path needs the batched metadata (ModelRunner builds it on GPUs)"
+        k_cache, v_cache = kv.layer(layer)
+        return self._inv.attention(q, k_cache, v_cache, b.block_tables, b.q_starts, b.q_lens, b.context_lens,
+                                   1 if b.decode else b.max_q_len, scale, b.decode)
+
+    def lm_head(self, h, weight):
+        return self._inv.matmul(h, weight, out_dtype=torch.float32)
+
+
+OPS: dict[str, type] = {"torch": TorchOps, "triton": TritonOps, "deterministic": DeterministicOps}
 
 
 def select_ops(device: torch.device, name: str = "auto") -> Ops:
@@ -212,6 +267,6 @@ def select_ops(device: torch.device, name: str = "auto") -> Ops:
         name = "triton" if device.type == "cuda" and HAVE_TRITON else "torch"
     if name not in OPS:
         raise ValueError(f"no ops backend {name!r} (have {sorted(OPS)})")
-    if name == "triton" and not HAVE_TRITON:
-        raise ValueError("the triton backend needs the triton package")
+    if name != "torch" and not HAVE_TRITON:
+        raise ValueError(f"the {name} backend needs the triton package")
     return OPS[name]()

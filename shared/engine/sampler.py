@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,17 @@ def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> int:
     return int((probs / noise).argmax())
 
 
+RowOp = Callable[[torch.Tensor], torch.Tensor]  # (N, V) -> (N, V) float32 along the last dim
+
+
+def torch_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, dim=-1)
+
+
+def torch_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x.float(), dim=-1)
+
+
 # --- batched, on the device -----------------------------------------------------------------------------------
 #
 # The same rule (greedy, or temperature -> min_p -> top-k -> top-p -> exponential race keyed by (seed, position)) for
@@ -83,8 +95,10 @@ def hashed_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(u)
 
 
-def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]) -> torch.Tensor:
-    """logits (N, V) float32 -> (N,) int64 tokens on logits' device."""
+def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int],
+                     softmax: RowOp = torch_softmax) -> torch.Tensor:
+    """logits (N, V) float32 -> (N,) int64 tokens on logits' device. softmax: the row softmax (the
+    deterministic mode's is kernels/invariant.py's, one program per row in a fixed order)."""
     assert logits.shape[0] == len(specs) == len(positions)
     tokens = logits.argmax(dim=-1)
     hot = [i for i, s in enumerate(specs) if s.temperature > 0]
@@ -99,7 +113,7 @@ def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions:
     V = x.shape[1]
     if any(s.min_p > 0 for s in hs):
         min_p = torch.tensor([s.min_p for s in hs], dtype=torch.float32).to(dev, non_blocking=True)
-        probs = torch.softmax(x, dim=-1)  # rows with min_p 0 keep everything (probs >= 0)
+        probs = softmax(x)  # rows with min_p 0 keep everything (probs >= 0)
         x = x.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if any(0 < s.top_k < V or s.top_p < 1.0 for s in hs):
         top_k = torch.tensor([s.top_k if 0 < s.top_k < V else V for s in hs]).to(dev, non_blocking=True)
@@ -107,12 +121,12 @@ def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions:
         ordered, order = x.sort(dim=-1, descending=True)
         kth = ordered.gather(1, (top_k - 1)[:, None])  # (n, 1): ties with the k-th logit stay, as on the CPU
         x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
+        probs = softmax(x)
         sorted_probs = probs.gather(1, order)  # descending still: masking kept the order
         drop = sorted_probs.cumsum(1) - sorted_probs >= top_p[:, None]
         probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
     else:
-        probs = torch.softmax(x, dim=-1)
+        probs = softmax(x)
     drawn = (probs / hashed_exponential(keys, V)).argmax(dim=-1)
     return tokens.index_copy(0, index, drawn)
 
@@ -120,15 +134,15 @@ def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions:
 # --- log probabilities ----------------------------------------------------------------------------------------
 
 
-def token_logprobs(raw: torch.Tensor, rows: list[int], tokens: torch.Tensor, k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_logprobs(raw: torch.Tensor, rows: list[int], tokens: torch.Tensor, k: int,
+                   log_softmax: RowOp = torch_log_softmax) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """raw (N, V) logits as the model made them, tokens (N,) the sampled ones -> for `rows`: the sampled token's
     logprob (n,), and the k most likely ids (n, k) with their logprobs (n, k), on raw's device.
 
     The model's own distribution (vLLM's default logprobs mode, "raw_logprobs"): before logit_bias, penalties,
     temperature and the top-k / top-p / min-p filters, so a logprob does not depend on how it was sampled."""
     index = torch.tensor(rows, dtype=torch.long).to(raw.device, non_blocking=True)
-    lsm = torch.log_softmax(raw.index_select(0, index).float(), dim=-1)  # (n, V)
+    lsm = log_softmax(raw.index_select(0, index))  # (n, V) float32
     chosen = lsm.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
     top, ids = lsm.topk(k, dim=-1) if k > 0 else (lsm[:, :0], lsm[:, :0].long())
     return chosen, ids, top

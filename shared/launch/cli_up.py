@@ -14,7 +14,7 @@ import sys
 
 from services.gateway.config import GatewayConfig
 from services.recipe.config import RecipeConfig
-from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS, HelpFormatter, ServiceConfig
+from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS, TRUE, HelpFormatter, ServiceConfig
 from shared.config import default_of, model_names
 from shared.nats_urls import server_urls
 from shared.logs import LOG_FORMATS
@@ -79,6 +79,9 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                          f"and {GPU_BATCH_TOKENS['decode']} for decode")
     workers.add_argument("--enforce-eager", action="store_true", default=default_of(WorkerConfig, "enforce_eager"),
                          help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
+    workers.add_argument("--deterministic", action="store_true", default=default_of(WorkerConfig, "deterministic"),
+                         help="batch-invariant kernels on the GPU: a migrated request continues token-identically "
+                              "in bf16 (Llama-family models; costs throughput: bench/deterministic.py)")
     workers.add_argument("--speculative-tokens", type=int, default=default_of(WorkerConfig, "speculative_tokens"),
                          help="most drafts verified per decode step (0 = off)")
     workers.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
@@ -118,6 +121,8 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
         value = os.environ.get(env_name(action))
         if value is None or value == "":
             continue
+        if isinstance(action, argparse._StoreTrueAction):  # a switch: "0" / "false" must not read as set
+            value = value.lower() in TRUE
         action.default = value
 
 

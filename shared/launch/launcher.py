@@ -96,6 +96,7 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         ("--quantization", args.quantization if args.quantization != "auto" else None)):
         worker += [flag, str(value)] if value is not None else []
     worker += ["--enforce-eager"] if args.enforce_eager else []
+    worker += ["--deterministic"] if args.deterministic else []  # every worker: prefill's token 0 too
     gateway = capped + ["--host", args.host, "--port", str(args.port),
                         "--client-idle-timeout", str(args.client_idle_timeout),
                         "--client-header-timeout", str(args.client_header_timeout),

@@ -45,6 +45,10 @@ class WorkerConfig:
                      "FP4 experts stay quantized, read by the kernels; dequantized on a CPU) | bf16 (dequantized)")
     enforce_eager: bool = option(
         False, env=True, help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
+    deterministic: bool = option(
+        False, env=True, help="batch-invariant kernels on a GPU: a request's logits are the same bits whatever its "
+                              "batch, so a migrated request continues token-identically in bf16 (Llama-family "
+                              "models; slower: bench/deterministic.py)")
     # share of the GPU this worker may fill; None = the engine's rule
     gpu_memory_utilization: float | None = option(
         None, help="share of the GPU's total memory this worker may fill: weights, activations (measured) and KV "

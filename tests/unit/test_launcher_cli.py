@@ -312,3 +312,26 @@ def test_up_shows_each_workers_memory_line_of_this_run(tmp_path: Path) -> None:
     gateway = tmp_path / "gateway-0.log"
     gateway.write_text("x gateway-0 INFO shared.service: ready\n")
     assert memory_line(gateway) is None and memory_line(tmp_path / "missing.log") is None
+
+
+def test_deterministic_reaches_every_worker_and_only_them(tmp_path: Path) -> None:
+    """Prefill samples token 0 and decode the rest: both must run the batch-invariant kernels."""
+    plan = build_plan(cli_up.parse(["--deterministic"]), tmp_path, "nats://127.0.0.1:4222")
+    argv = {c.service: c.argv[3:] for c in plan.children}
+    parser = argparse.ArgumentParser()
+    add_common_args(parser, "decode")
+    add_worker_args(parser)
+    for service in ("prefill", "decode"):
+        assert parser.parse_args(argv[service]).deterministic is True
+    assert all("--deterministic" not in argv[s] for s in ("gateway", "recipe", "balancer", "kvcache"))
+    plain = build_plan(cli_up.parse([]), tmp_path, "nats://127.0.0.1:4222")
+    assert all("--deterministic" not in c.argv for c in plain.children)
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("0", False), ("false", False)])
+def test_a_switch_from_the_environment_reads_as_a_switch(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                         expected: bool) -> None:
+    monkeypatch.setenv("DEEPINFER_DETERMINISTIC", value)
+    monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", value)
+    args = cli_up.parse([])
+    assert args.deterministic is expected and args.enforce_eager is expected

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata
 from shared.engine.config import ModelConfig
@@ -40,6 +39,8 @@ def rotary_tables(head_dim: int, max_position: int, theta: float, device: torch.
 
 
 class Llama:
+    batch_invariant = True  # every op goes through self.ops: the deterministic backend covers the whole forward
+
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
         ops: Ops | None = None,
@@ -91,10 +92,10 @@ class Llama:
             return self._forward_fused(x, positions, meta, kv)
         h, x = ops.rms_norm(x, None, self.layers[0].attn_norm, c.rms_eps)
         for i, layer in enumerate(self.layers):
-            q = ops.rope_write(F.linear(h, layer.qkv), positions, self.rope, kv, i, meta, heads)  # (T, H, hd)
+            q = ops.rope_write(ops.linear(h, layer.qkv), positions, self.rope, kv, i, meta, heads)  # (T, H, hd)
             o = ops.attention(q, kv, i, meta, self.scale)  # (T, H, hd)
-            h, x = ops.rms_norm(x, F.linear(o.reshape(T, -1), layer.o), layer.mlp_norm, c.rms_eps)
-            down = F.linear(ops.silu_mul(F.linear(h, layer.gate_up)), layer.down)  # (T, D)
+            h, x = ops.rms_norm(x, ops.linear(o.reshape(T, -1), layer.o), layer.mlp_norm, c.rms_eps)
+            down = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)  # (T, D)
             if i + 1 < len(self.layers):
                 h, x = ops.rms_norm(x, down, self.layers[i + 1].attn_norm, c.rms_eps)  # x += down; next norm
             else:
