@@ -13,6 +13,8 @@ in float32, whatever the weight dtype.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shared.engine.attention import AttentionMetadata
@@ -29,6 +31,9 @@ from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import HcParams, load
 from shared.engine.ops import Ops
 from shared.engine.quant import linear
+
+if TYPE_CHECKING:
+    from shared.engine.parallel.ep_moe import ExpertParallel
 
 
 class DeepseekV4:
@@ -49,6 +54,9 @@ class DeepseekV4:
         # (layers, experts) int64: token-expert pairs routed since load, accumulated on the device by every forward
         # of the main layers (not the MTP draft layer's); the worker reads it every few seconds (expert placement)
         self.expert_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, device=device)
+        # set by parallel/ep_moe.py when the worker spans several ranks: the main layers' routed experts live
+        # in its per-rank slots and every MoE layer is an exchange between the ranks
+        self.expert_parallel: ExpertParallel | None = None
 
     # --- the cache ----------------------------------------------------------------------------------------------
 
@@ -100,15 +108,18 @@ class DeepseekV4:
                                  batch)
             streams = hc_post(out, post, comb, streams)
             post, comb, h = hc_pre(s, streams, layer.hc_ffn, self.triton)
-            out = moe(s, layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids, self.triton, self.expert_counts[i], real)
+            h = rms(h, layer.ffn_norm, s.rms_eps)
+            ep = self.expert_parallel
+            out = (moe(s, layer, h, input_ids, self.triton, self.expert_counts[i], real) if ep is None
+                   else ep.moe(s, i, layer, h, input_ids, self.expert_counts[i], real))
             streams = hc_post(out, post, comb, streams)
         return streams
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of one routed expert's weights as loaded (FP4 with its scales, or dense), for placement."""
-        ex = self.layers[0].experts
-        return (ex.w13.nbytes + ex.w2.nbytes) // self.spec.num_experts
+        ex = self.layers[0].experts if self.expert_parallel is None else self.expert_parallel.local[0]
+        return (ex.w13.nbytes + ex.w2.nbytes) // ex.w13.shape[0]
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams (N, hc, D) of the rows we sample from -> (N, V) float32."""
