@@ -79,8 +79,9 @@ class ExpertParallel:
         slot = slots[flat, rows % replicas[flat]]  # (P,) physical slot of each pair
         dest = slot // spr
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
-        send = torch.bincount(dest, minlength=self.group.world).tolist()
-        recv = self.group.exchange_counts(torch.tensor(send, dtype=torch.int64, device=x.device))
+        sizes = torch.bincount(dest, minlength=self.group.world)  # (W,) pairs bound for each rank
+        recv = self.group.exchange_counts(sizes)
+        send = sizes.tolist()
         xin = self.group.all_to_all(x[rows[order]], send, recv)  # (N, D) rows others sent here
         local = self.group.all_to_all(slot[order] % spr, send, recv)  # (N,) their local slots
         back = self.group.all_to_all(self.compute(i, xin, local), recv, send)  # (P, D) in `order`
