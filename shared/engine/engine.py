@@ -40,6 +40,8 @@ from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
+from shared.engine.parallel.placement import Placement
+from shared.engine.parallel.servers import ExpertServers, free_port
 from shared.engine.processors import LogitsProcessors
 from shared.engine.protocols import Cache, CountsExperts, GraphsDecode, HasOwnCache
 from shared.engine.sampler import sample, sample_on_device, token_logprobs
@@ -47,6 +49,7 @@ from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
 from shared.engine.verify_policy import make_policy
 from shared.models import ModelFiles, resolve
+from shared.schemas.experts import ExpertPlan
 from shared.schemas.generate import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = ["Engine", "EngineRequest", "EngineStats", "RequestError", "StepOutput", "run_to_completion"]
@@ -116,6 +119,7 @@ class Engine:
         gpu_memory_utilization: float | None = None,
         quantization: str = "auto",
         vocabulary: Callable[[], Seq[bytes]] | None = None,
+        expert_parallel: int = 1,
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -128,7 +132,9 @@ class Engine:
         a checkpoint's FP8 / FP4 weights as shipped on a GPU (DeepSeek-V4's release, read by the Triton kernels),
         "bf16" dequantizes them (always so on a CPU: QUANTIZATIONS); vocabulary: each token id's bytes for
         constrained decoding (grammar.py), loaded at the first constrained request (default: the tokenizer the
-        model is served with)."""
+        model is served with); expert_parallel: ranks the routed experts are spread over (parallel/servers.py:
+        this process is rank 0 and runs everything else, the others are spawned processes; DeepSeek-V4 only,
+        without CUDA graphs)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
@@ -140,6 +146,9 @@ class Engine:
         self.config: ModelConfig = loaded.config
         self.ops = select_ops(self.device, kernels)
         self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, self.ops)
+        self.experts = self._spread_experts(model, expert_parallel, keep) if expert_parallel != 1 else None
+        if self.experts is not None:
+            cuda_graphs = False  # the exchanges' split sizes are read on the host every layer: nothing to capture
         self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
         self.has_request_state = self.spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = self.spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
@@ -369,6 +378,37 @@ class Engine:
     def replay_tokens(self) -> int:
         """Tokens recomputed before a prefix restored without its short-term state (0: nothing to rebuild)."""
         return self.kv.replay_tokens
+
+    # --- expert parallelism (parallel/servers.py) --------------------------------------------------------------
+
+    def _spread_experts(self, model: str | ModelFiles | LoadedModel, world: int, keep: bool) -> ExpertServers:
+        if world < 1:
+            raise ValueError(f"expert_parallel must be >= 1, got {world}")
+        if isinstance(model, LoadedModel):
+            raise ValueError("expert parallelism needs the checkpoint's path: every rank loads it itself")
+        num_experts = getattr(getattr(self.model, "spec", None), "num_experts", 0)
+        if not isinstance(self.model, CountsExperts) or num_experts % world:
+            raise ValueError(f"expert_parallel {world}: the model's routed experts ({num_experts}) must split "
+                             "evenly over the ranks")
+        files = resolve(model) if isinstance(model, str) else model
+        return ExpertServers(self.model, files, world, self.device, self.dtype, keep, free_port())
+
+    def apply_expert_plan(self, plan: ExpertPlan) -> int:
+        """Between two steps: every rank switches to the plan's placement (ValueError when it is not one of this
+        worker's ranks and experts). Returns the bytes of expert weights rank 0 received."""
+        if self.experts is None:
+            raise ValueError("a worker on one rank holds every expert once: no plan to apply")
+        placement = Placement.from_plan(plan)
+        if placement.ranks != self.experts.group.world:
+            raise ValueError(f"plan {plan.version} is for {placement.ranks} ranks, this worker has "
+                             f"{self.experts.group.world}")
+        return self.experts.apply(placement)
+
+    def close(self) -> None:
+        """Stops the other ranks of an expert-parallel engine (nothing to do on one rank)."""
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
 
     # --- introspection ----------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import torch
 from shared.engine.parallel.placement import Placement
 from shared.schemas.experts import ExpertPlan
 from tests import ep_ranks, v4_checkpoints
-from tests.ep_ranks import replicated
+from tests.ep_ranks import E, replicated
 
 # --- placements (pure) -------------------------------------------------------------------------------------------
 
@@ -68,3 +68,39 @@ def reference(checkpoint: Path) -> dict[str, torch.Tensor]:
 def test_expert_parallel_equals_one_process(world: int, checkpoint: Path, reference: dict[str, torch.Tensor],
                                             tmp_path: Path) -> None:
     ep_ranks.check(ep_ranks.run(world, checkpoint, tmp_path, "cpu"), reference, tol=1e-5)
+
+
+def test_engine_spreads_its_experts_over_spawned_ranks(checkpoint: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Engine(expert_parallel=2): rank 0 is the engine, one spawned process holds half the experts; greedy
+    generation equals the one-process engine's, before and after a plan moved experts between the ranks."""
+    from shared.engine.engine import Engine, EngineRequest, run_to_completion
+    from shared.schemas.generate import SamplingParams
+
+    engine = Engine(str(checkpoint), kv_blocks=32, expert_parallel=2)
+    try:
+        assert engine.model.expert_parallel.local[0].w13.shape[0] == 4  # rank 0 holds experts 0-3 alone
+
+        def generate(tag: str) -> dict[str, list[int]]:
+            requests = [EngineRequest(f"{rid}-{tag}", p, SamplingParams(temperature=0.0, max_tokens=ep_ranks.MAX_NEW,
+                                                                        ignore_eos=True),
+                                      max_new_tokens=ep_ranks.MAX_NEW) for rid, p in ep_ranks.prompts().items()]
+            return {rid.split("-")[0]: t for rid, t in run_to_completion(engine, requests).items()}
+
+        want = {rid: reference[f"tokens/{rid}"].tolist() for rid in "abc"}
+        assert generate("before") == want
+        new = ep_ranks.shuffled(4, 2)
+        plan = ExpertPlan("w", "m", 2, 4, E, 2, 4, [list(row) for row in new.physical], 0, 4, 1.0, 1.0, 0.0)
+        assert engine.apply_expert_plan(plan) > 0  # rank 0 received experts it lacked
+        assert engine.model.expert_parallel.placement.version == 2
+        assert generate("after") == want
+        with pytest.raises(ValueError, match="for 4 ranks"):
+            engine.apply_expert_plan(dataclasses.replace(plan, ranks=4, slots_per_rank=2))
+    finally:
+        engine.close()
+
+
+def test_engine_refuses_experts_that_do_not_split(checkpoint: Path) -> None:
+    from shared.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="split evenly"):
+        Engine(str(checkpoint), kv_blocks=8, expert_parallel=3)

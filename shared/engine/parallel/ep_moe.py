@@ -21,7 +21,7 @@ bytes when a row's experts share a rank.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,6 +47,8 @@ class ExpertParallel:
         self.placement = placement
         self.local = [_take(ex, placement.local(i, group.rank)) for i, ex in enumerate(full)]
         self.tables = [placement.table(i, group.device) for i in range(placement.layers)]
+        # called as every forward of the main layers begins: rank 0 of servers.py wakes its followers
+        self.announce: Callable[[], None] | None = None
 
     def attach(self, model) -> None:
         """Route the model's main layers through this: their own stacks are dropped (the MTP draft layer keeps

@@ -6,6 +6,7 @@ rank has none); a rank that skipped one would deadlock the group, not corrupt it
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +35,13 @@ class GroupConfig:
 class Group:
     """This process's place in the worker's ranks (the default process group: one worker per process tree)."""
 
-    def __init__(self, config: GroupConfig) -> None:
+    def __init__(self, config: GroupConfig, timeout: datetime.timedelta | None = None) -> None:
+        """timeout: how long a collective may wait for the others (torch's default: 10 min on gloo)."""
         self.rank, self.world, self.device, self.backend = config.rank, config.world, config.device, config.backend
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)
         dist.init_process_group(config.backend, init_method=f"tcp://{config.address}:{config.port}",
-                                rank=config.rank, world_size=config.world)
+                                rank=config.rank, world_size=config.world, timeout=timeout)
 
     def close(self) -> None:
         dist.destroy_process_group()

@@ -102,6 +102,9 @@ class DeepseekV4:
         # a captured decode step's padding rows (the scratch slot, graphs.py) route too: they are not counted
         real = (torch.ones(input_ids.shape[0], dtype=torch.int64, device=x.device) if batch is None
                 else (batch.slots != kv.scratch_slot).long())  # (T,)
+        ep = self.expert_parallel
+        if ep is not None and ep.announce is not None:
+            ep.announce()  # the other ranks join this forward's exchanges
         for i, layer in enumerate(self.layers):
             post, comb, h = hc_pre(s, streams, layer.hc_attn, self.triton)
             out = self.attention(i, layer, rms(h, layer.attn_norm, s.rms_eps), positions, angles, meta, states, kv,
@@ -109,7 +112,6 @@ class DeepseekV4:
             streams = hc_post(out, post, comb, streams)
             post, comb, h = hc_pre(s, streams, layer.hc_ffn, self.triton)
             h = rms(h, layer.ffn_norm, s.rms_eps)
-            ep = self.expert_parallel
             out = (moe(s, layer, h, input_ids, self.triton, self.expert_counts[i], real) if ep is None
                    else ep.moe(s, i, layer, h, input_ids, self.expert_counts[i], real))
             streams = hc_post(out, post, comb, streams)
