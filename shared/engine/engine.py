@@ -404,6 +404,16 @@ class Engine:
                              f"{self.experts.group.world}")
         return self.experts.apply(placement)
 
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks the routed experts are spread over (1: all of them here)."""
+        return 1 if self.experts is None else self.experts.group.world
+
+    @property
+    def expert_plan_version(self) -> int:
+        """The ExpertPlan the ranks run (0: the initial placement, expert e in slot e)."""
+        return 0 if self.experts is None else self.experts.ep.placement.version
+
     def close(self) -> None:
         """Stops the other ranks of an expert-parallel engine (nothing to do on one rank)."""
         if self.experts is not None:

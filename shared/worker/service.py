@@ -158,6 +158,7 @@ class EngineWorker(ABC):
                 gpu_memory_utilization=self.worker.gpu_memory_utilization,
                 quantization=self.worker.quantization,
                 cuda_graphs=not self.worker.enforce_eager,
+                expert_parallel=self.worker.expert_parallel,
             )
         except Exception as exc:
             log.exception("could not load model %s", self.config.model)
