@@ -386,9 +386,11 @@ class Engine:
             raise ValueError(f"expert_parallel must be >= 1, got {world}")
         if isinstance(model, LoadedModel):
             raise ValueError("expert parallelism needs the checkpoint's path: every rank loads it itself")
-        num_experts = getattr(getattr(self.model, "spec", None), "num_experts", 0)
-        if not isinstance(self.model, CountsExperts) or num_experts % world:
-            raise ValueError(f"expert_parallel {world}: the model's routed experts ({num_experts}) must split "
+        if not isinstance(self.model, CountsExperts):
+            raise ValueError(f"expert_parallel {world}: {self.config.arch} has no routed experts to spread")
+        num_experts = self.model.expert_counts.shape[1]
+        if num_experts % world:
+            raise ValueError(f"expert_parallel {world}: the model's {num_experts} routed experts must split "
                              "evenly over the ranks")
         files = resolve(model) if isinstance(model, str) else model
         return ExpertServers(self.model, files, world, self.device, self.dtype, keep, free_port())

@@ -104,3 +104,10 @@ def test_engine_refuses_experts_that_do_not_split(checkpoint: Path) -> None:
 
     with pytest.raises(ValueError, match="split evenly"):
         Engine(str(checkpoint), kv_blocks=8, expert_parallel=3)
+
+
+def test_a_dense_model_has_no_experts_to_spread() -> None:
+    from shared.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="no routed experts"):
+        Engine("SmolLM2-135M-Instruct", kv_blocks=8, expert_parallel=2)
