@@ -15,6 +15,7 @@ The generated tokens are compared exactly."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import socket
 from pathlib import Path
 
@@ -136,10 +137,13 @@ def free_port() -> int:
 
 
 def run(world: int, checkpoint: Path, out: Path, device_kind: str) -> list[dict[str, torch.Tensor]]:
-    """Every rank in its own process; a rank that raises fails the call. On a CPU the ranks are forked (they
-    inherit the parent's imports: ~5 s of CPU a rank saved; the parent holds no process group); CUDA needs spawn."""
+    """Every rank in its own process; a rank that raises fails the call. On a CPU the ranks come from a fork
+    server that imported torch and the engine once (~5 s of CPU a rank saved, and no fork of pytest's threads);
+    CUDA needs spawn."""
+    if device_kind == "cpu":
+        multiprocessing.set_forkserver_preload([__name__])
     mp.start_processes(rank_main, args=(world, free_port(), str(checkpoint), str(out), device_kind), nprocs=world,
-                       start_method="fork" if device_kind == "cpu" else "spawn")
+                       start_method="forkserver" if device_kind == "cpu" else "spawn")
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
