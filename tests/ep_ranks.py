@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
+from shared.engine.memory import held_bytes
 from shared.engine.models.deepseek_v4.moe import moe
 from shared.engine.models.deepseek_v4.weights import Layer
 from shared.engine.parallel.placement import Placement
@@ -125,7 +126,7 @@ def rank_main(rank: int, world: int, port: int, checkpoint: str, out: str, devic
         runner.follow()
     ep = whole.model.expert_parallel
     results["held"] = torch.tensor([whole.model.layers[0].experts.w13.shape[0], ep.local[0].w13.shape[0],
-                                    ep.placement.version])
+                                    ep.placement.version, held_bytes(whole.model)])
     torch.save(results, Path(out) / f"rank{rank}.pt")
     group.close()
 
@@ -151,7 +152,8 @@ def reference(checkpoint: Path, device: str) -> dict[str, torch.Tensor]:
     """The single-process engine: every layer's MoE over all T rows, and greedy generation."""
     model = engine(str(checkpoint), device, 16).model
     x, ids = inputs(model)
-    out = {}
+    routed = sum(layer.experts.w13.nbytes + layer.experts.w2.nbytes for layer in model.layers)
+    out = {"weights": torch.tensor([held_bytes(model), routed])}
     for i, layer in enumerate(model.layers):
         out[f"plain/{i}"] = moe(model.spec, layer, x, ids, model.triton).cpu()
         out[f"skewed/{i}"] = moe(model.spec, skew(layer), x, ids, model.triton).cpu()
@@ -172,5 +174,7 @@ def check(ranks: list[dict[str, torch.Tensor]], want: dict[str, torch.Tensor], t
     for rid in "abc":
         assert len(want[f"tokens/{rid}"]) == MAX_NEW
         assert ranks[0][f"tokens/{rid}"].tolist() == want[f"tokens/{rid}"].tolist(), rid
-    # the model's own stacks were let go, the rank holds its slots' experts alone, under the switched placement
-    assert all(ranks[r]["held"].tolist() == [0, E // world, 2] for r in range(world))
+    # the model's own stacks were let go, the rank holds its slots' experts alone, under the switched placement,
+    # and the model's memory account (memory.py, the worker's load line) counts those
+    whole, routed = want["weights"].tolist()
+    assert all(ranks[r]["held"].tolist() == [0, E // world, 2, whole - routed + routed // world] for r in range(world))

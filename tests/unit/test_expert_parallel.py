@@ -111,3 +111,4 @@ def test_a_dense_model_has_no_experts_to_spread() -> None:
 
     with pytest.raises(ValueError, match="no routed experts"):
         Engine("SmolLM2-135M-Instruct", kv_blocks=8, expert_parallel=2)
+

@@ -56,6 +56,7 @@ class ExpertParallel:
         for i, layer in enumerate(model.layers):
             model.layers[i] = dataclasses.replace(layer, experts=_take(layer.experts, []))
         model.expert_parallel = self
+        model.rank_experts = self.local  # reachable from the model: its memory account (memory.py) counts them
 
     # --- a layer ------------------------------------------------------------------------------------------------
 
@@ -132,8 +133,8 @@ class ExpertParallel:
                 sends += [(p.contiguous(), t.dst, n * 4 + j) for j, p in enumerate(parts)]
         self.group.exchange(sends, recvs)
         received = sum(p.nbytes for ps in got.values() for p in ps)
-        local = [self._rebuild(layer, new, got) for layer in range(new.layers)]
-        self.local, self.placement = local, new
+        self.local[:] = [self._rebuild(layer, new, got) for layer in range(new.layers)]  # in place: attach's
+        self.placement = new
         self.tables = [new.table(i, self.group.device) for i in range(new.layers)]
         return received
 
