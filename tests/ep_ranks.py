@@ -30,7 +30,7 @@ from shared.engine.parallel.placement import Placement
 from shared.schemas.generate import SamplingParams
 
 E, T, D = 8, 24, 64  # the checkpoint's experts and width; rows of the layer cases
-SPLITS = {2: {"even": [10, 14], "one-idle": [24, 0]}, 4: {"even": [3, 7, 9, 5], "one-idle": [5, 0, 19, 0]}}
+SPLITS = {1: {"even": [24], "one-idle": [24]}, 2: {"even": [10, 14], "one-idle": [24, 0]}, 4: {"even": [3, 7, 9, 5], "one-idle": [5, 0, 19, 0]}}
 MAX_NEW = 5
 PLACEMENT_AT = 2  # the decode step before which generation switches placement
 # layer case -> (the reference it equals, the rows' split over the ranks)
@@ -170,7 +170,7 @@ def check(ranks: list[dict[str, torch.Tensor]], want: dict[str, torch.Tensor], t
             got = torch.cat([ranks[r][f"{case}/{i}"] for r in range(world)])
             assert got.shape == (T, D)
             torch.testing.assert_close(got, want[f"{ref}/{i}"], atol=tol, rtol=tol, msg=f"{case}, layer {i}")
-    assert all(int(ranks[r]["moved"]) > 0 for r in range(world))  # the shuffle moved weights into every rank
+    assert world == 1 or all(int(ranks[r]["moved"]) > 0 for r in range(world))  # the shuffle moved weights in
     for rid in "abc":
         assert len(want[f"tokens/{rid}"]) == MAX_NEW
         assert ranks[0][f"tokens/{rid}"].tolist() == want[f"tokens/{rid}"].tolist(), rid

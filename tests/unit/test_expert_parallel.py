@@ -112,3 +112,28 @@ def test_a_dense_model_has_no_experts_to_spread() -> None:
     with pytest.raises(ValueError, match="no routed experts"):
         Engine("SmolLM2-135M-Instruct", kv_blocks=8, expert_parallel=2)
 
+
+
+def test_the_fused_kernel_computes_a_ranks_slots(checkpoint: Path) -> None:
+    """The GPU path's compute (kernels/moe.py over the rank's own slot stack, local slot ids, weight 1), here
+    under the Triton interpreter on a world of one in this process: slots shuffled and replicated, so a slot id
+    is not the expert id."""
+    pytest.importorskip("triton")
+    from shared.engine.engine import Engine
+    from shared.engine.models.deepseek_v4.moe import moe
+    from shared.engine.parallel.ep_moe import ExpertParallel
+    from shared.engine.parallel.group import Group, GroupConfig
+
+    model = Engine(str(checkpoint), kv_blocks=8).model
+    s = model.spec
+    x, ids = ep_ranks.inputs(model)
+    group = Group(GroupConfig(0, 1, "127.0.0.1", ep_ranks.free_port(), torch.device("cpu")))
+    try:
+        perm = ep_ranks.shuffled(s.num_layers, 1).physical
+        placement = Placement(E, 1, E + 2, tuple(row + (row[0], row[3]) for row in perm))
+        ep = ExpertParallel(group, placement, [la.experts for la in model.layers], s.swiglu_limit, torch.float32,
+                            triton=True)
+        for i, layer in enumerate(model.layers):
+            torch.testing.assert_close(ep.moe(s, i, layer, x, ids), moe(s, layer, x, ids), atol=1e-5, rtol=1e-5)
+    finally:
+        group.close()
