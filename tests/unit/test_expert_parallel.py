@@ -93,8 +93,11 @@ def test_engine_spreads_its_experts_over_spawned_ranks(checkpoint: Path, referen
         assert engine.apply_expert_plan(plan) > 0  # rank 0 received experts it lacked
         assert engine.model.expert_parallel.placement.version == 2
         assert generate("after") == want
-        with pytest.raises(ValueError, match="for 4 ranks"):
-            engine.apply_expert_plan(dataclasses.replace(plan, ranks=4, slots_per_rank=2))
+        for bad in (dataclasses.replace(plan, ranks=4, slots_per_rank=2),  # another group's shape
+                    dataclasses.replace(plan, layers=3, physical=plan.physical[:3])):
+            with pytest.raises(ValueError, match="this group runs 8, 2, 4"):
+                engine.apply_expert_plan(bad)
+        assert generate("refused") == want  # the ranks never heard of them
     finally:
         engine.close()
 

@@ -72,9 +72,7 @@ class RankRunner:
             self.ep.apply(Placement(self.ep.placement.experts, self.group.world, p.slots_per_rank,
                                     tuple(tuple(row) for row in p.physical), p.version))
         mine = [(n, span) for n, span in enumerate(plan.spans) if span.rank == self.group.rank]
-        for span in plan.spans:
-            if span.rank == self.group.rank and span.request_id in plan.finished:
-                raise ValueError(f"{span.request_id} both finished and scheduled")
+        assert not {span.request_id for _, span in mine} & set(plan.finished), "a request finished and scheduled"
         for rid in plan.finished:
             self.kv.drop_state(rid)  # a no-op on the ranks that never held it
         tokens = torch.zeros(len(plan.spans), dtype=torch.int64, device=self.group.device)

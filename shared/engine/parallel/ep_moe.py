@@ -116,9 +116,7 @@ class ExpertParallel:
         """Every rank at once: receive the experts its new slots need (from the lowest rank holding each), build
         the new local stacks beside the running ones, then switch stacks and routing tables together. Returns
         the bytes this rank received."""
-        if (new.experts, new.ranks, new.layers) != (self.placement.experts, self.placement.ranks,
-                                                    self.placement.layers):
-            raise ValueError("a placement of another shape")
+        self.check(new)
         transfers = self.placement.transfers(new)
         me = self.group.rank
         got: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -137,6 +135,14 @@ class ExpertParallel:
         self.placement = new
         self.tables = [new.table(i, self.group.device) for i in range(new.layers)]
         return received
+
+    def check(self, new: Placement) -> None:
+        """ValueError unless `new` places this model's experts and layers on this group's ranks (rank 0 asks
+        before it tells the others: a placement they cannot take must never reach them)."""
+        have = (self.placement.experts, self.placement.ranks, self.placement.layers)
+        if (new.experts, new.ranks, new.layers) != have:
+            raise ValueError(f"a placement of {new.experts} experts, {new.ranks} ranks, {new.layers} layers; "
+                             f"this group runs {have[0]}, {have[1]}, {have[2]}")
 
     def _expert(self, layer: int, expert: int) -> Experts:
         """One logical expert this rank holds now, as a (1, ...) stack."""

@@ -80,6 +80,7 @@ class ExpertServers:
 
     def apply(self, placement: Placement) -> int:
         """Between two steps (the engine thread): every rank switches to `placement`; bytes rank 0 received."""
+        self.ep.check(placement)
         self._send(PLAN)
         self.group.broadcast_bytes(encode(PlacementPlan(placement.version, placement.slots_per_rank,
                                                         [list(row) for row in placement.physical])))
