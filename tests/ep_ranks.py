@@ -30,7 +30,9 @@ from shared.engine.parallel.placement import Placement
 from shared.schemas.generate import SamplingParams
 
 E, T, D = 8, 24, 64  # the checkpoint's experts and width; rows of the layer cases
-SPLITS = {1: {"even": [24], "one-idle": [24]}, 2: {"even": [10, 14], "one-idle": [24, 0]}, 4: {"even": [3, 7, 9, 5], "one-idle": [5, 0, 19, 0]}}
+# rows of each rank, per world size: "one-idle" leaves a rank with no rows at all
+SPLITS = {1: {"even": [24], "one-idle": [24]}, 2: {"even": [10, 14], "one-idle": [24, 0]},
+          4: {"even": [3, 7, 9, 5], "one-idle": [5, 0, 19, 0]}}
 MAX_NEW = 5
 PLACEMENT_AT = 2  # the decode step before which generation switches placement
 # layer case -> (the reference it equals, the rows' split over the ranks)
