@@ -66,10 +66,11 @@ class ExpertServers:
         for p in self.procs:
             p.start()
         _await_loaded(self.procs, ready)
-        self.group = Group(GroupConfig(0, world, "127.0.0.1", port, device), timeout=IDLE_TIMEOUT)
+        # "cuda" names no GPU; NCCL binds each rank to one (rank r: rank_device)
+        self.group = Group(GroupConfig(0, world, "127.0.0.1", port, rank_device(device, 0)), timeout=IDLE_TIMEOUT)
         self.ep = expert_parallel(model, self.group)
         self.ep.announce = self._go
-        self._code = torch.zeros(1, dtype=torch.int64, device=device)
+        self._code = torch.zeros(1, dtype=torch.int64, device=self.group.device)
 
     def _send(self, code: int) -> None:
         self._code.fill_(code)
