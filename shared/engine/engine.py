@@ -41,7 +41,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
 from shared.engine.parallel.placement import Placement
-from shared.engine.parallel.servers import ExpertServers, free_port
+from shared.engine.parallel.servers import ExpertServers, free_port, rank_model
 from shared.engine.processors import LogitsProcessors
 from shared.engine.protocols import Cache, CountsExperts, GraphsDecode, HasOwnCache
 from shared.engine.sampler import sample, sample_on_device, token_logprobs
@@ -145,7 +145,12 @@ class Engine:
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.config: ModelConfig = loaded.config
         self.ops = select_ops(self.device, kernels)
-        self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, self.ops)
+        if expert_parallel < 1:
+            raise ValueError(f"expert_parallel must be >= 1, got {expert_parallel}")
+        # rank 0 of an expert-parallel worker brings only its share of the routed experts to the device
+        self.model = (build_model(loaded.config, loaded.weights, self.device, self.dtype, self.ops)
+                      if expert_parallel == 1 else
+                      rank_model(loaded, expert_parallel, 0, self.device, self.dtype, self.ops))
         self.experts = self._spread_experts(model, expert_parallel, keep) if expert_parallel != 1 else None
         if self.experts is not None:
             cuda_graphs = False  # the exchanges' split sizes are read on the host every layer: nothing to capture
@@ -382,16 +387,8 @@ class Engine:
     # --- expert parallelism (parallel/servers.py) --------------------------------------------------------------
 
     def _spread_experts(self, model: str | ModelFiles | LoadedModel, world: int, keep: bool) -> ExpertServers:
-        if world < 1:
-            raise ValueError(f"expert_parallel must be >= 1, got {world}")
         if isinstance(model, LoadedModel):
             raise ValueError("expert parallelism needs the checkpoint's path: every rank loads it itself")
-        if not isinstance(self.model, CountsExperts):
-            raise ValueError(f"expert_parallel {world}: {self.config.arch} has no routed experts to spread")
-        num_experts = self.model.expert_counts.shape[1]
-        if num_experts % world:
-            raise ValueError(f"expert_parallel {world}: the model's {num_experts} routed experts must split "
-                             "evenly over the ranks")
         files = resolve(model) if isinstance(model, str) else model
         return ExpertServers(self.model, files, world, self.device, self.dtype, keep, free_port())
 

@@ -76,9 +76,13 @@ def test_engine_spreads_its_experts_over_spawned_ranks(checkpoint: Path, referen
     from shared.engine.engine import Engine, EngineRequest, run_to_completion
     from shared.schemas.generate import SamplingParams
 
+    from shared.engine.memory import held_bytes
+
     engine = Engine(str(checkpoint), kv_blocks=32, expert_parallel=2)
     try:
         assert engine.model.expert_parallel.local[0].w13.shape[0] == 4  # rank 0 holds experts 0-3 alone
+        whole, routed = reference["weights"].tolist()
+        assert held_bytes(engine.model) == whole - routed // 2  # and never loaded the others
 
         def generate(tag: str) -> dict[str, list[int]]:
             requests = [EngineRequest(f"{rid}-{tag}", p, SamplingParams(temperature=0.0, max_tokens=ep_ranks.MAX_NEW,

@@ -38,14 +38,18 @@ if HAVE_TRITON:
 
 
 class ExpertParallel:
-    def __init__(self, group: Group, placement: Placement, full: Sequence[Experts], limit: float,
-                 dtype: torch.dtype, triton: bool = False) -> None:
-        """full: every layer's stacked logical experts (a loader that reads only this rank's would pass those
-        alone; here the rank keeps its slots and lets go of the rest)."""
-        assert placement.ranks == group.world and len(full) == placement.layers
+    def __init__(self, group: Group, placement: Placement, stacks: Sequence[Experts], limit: float,
+                 dtype: torch.dtype, triton: bool = False, loaded: Sequence[int] | None = None) -> None:
+        """stacks: every layer's stacked routed experts as loaded, `loaded` their logical ids in stack order (a
+        rank that loaded only its own: DeepseekV4(held_experts=...)), None = all, in order; the rank keeps the
+        ones its slots hold."""
+        assert placement.ranks == group.world and len(stacks) == placement.layers
         self.group, self.limit, self.dtype, self.triton = group, limit, dtype, triton  # dtype: the activations'
         self.placement = placement
-        self.local = [_take(ex, placement.local(i, group.rank)) for i, ex in enumerate(full)]
+        at = {e: n for n, e in enumerate(range(placement.experts) if loaded is None else loaded)}
+        missing = {e for i in range(placement.layers) for e in placement.local(i, group.rank)} - set(at)
+        assert not missing, f"rank {group.rank} did not load experts {sorted(missing)} its slots hold"
+        self.local = [_take(ex, [at[e] for e in placement.local(i, group.rank)]) for i, ex in enumerate(stacks)]
         self.tables = [placement.table(i, group.device) for i in range(placement.layers)]
         # called as every forward of the main layers begins: rank 0 of servers.py wakes its followers
         self.announce: Callable[[], None] | None = None

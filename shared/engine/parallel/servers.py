@@ -30,6 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared.codec import decode, encode
+from shared.engine.loader import LoadedModel
+from shared.engine.models.deepseek_v4 import DeepseekV4
+from shared.engine.ops import Ops
 from shared.engine.parallel.dp import PlacementPlan
 from shared.engine.parallel.ep_moe import ExpertParallel
 from shared.engine.parallel.group import Group, GroupConfig
@@ -37,6 +40,7 @@ from shared.engine.parallel.placement import Placement
 from shared.models import ModelFiles
 
 GO, PLAN, STOP = 1, 2, 0
+EXPERT_MODELS = ("deepseek_v4",)  # architectures whose MoE layers parallel/ep_moe.py runs
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for rank 0's next forward however long it idles
 
 
@@ -94,11 +98,27 @@ class ExpertServers:
         self.group.close()
 
 
-def expert_parallel(model, group: Group) -> ExpertParallel:
+def rank_model(loaded: LoadedModel, world: int, rank: int, device: torch.device, dtype: torch.dtype,
+               ops: Ops | None) -> DeepseekV4:
+    """A rank's model: everything but the routed experts of other ranks' slots under the even split, which never
+    reach its device (ValueError for a model without routed experts, or experts that do not split evenly)."""
+    if loaded.config.arch not in EXPERT_MODELS:
+        raise ValueError(f"expert_parallel {world}: {loaded.config.arch} has no routed experts to spread")
+    num_experts = loaded.config.spec.num_experts
+    if num_experts % world:
+        raise ValueError(f"expert_parallel {world}: the model's {num_experts} routed experts must split evenly "
+                         "over the ranks")
+    per = num_experts // world
+    return DeepseekV4(loaded.config, loaded.weights, device, dtype, ops,
+                      held_experts=range(rank * per, (rank + 1) * per))
+
+
+def expert_parallel(model: DeepseekV4, group: Group) -> ExpertParallel:
     """The model's main layers on the even split, attached."""
     s = model.spec
     ep = ExpertParallel(group, Placement.even(s.num_layers, s.num_experts, group.world),
-                        [layer.experts for layer in model.layers], s.swiglu_limit, model.dtype, model.triton)
+                        [layer.experts for layer in model.layers], s.swiglu_limit, model.dtype, model.triton,
+                        loaded=model.held_experts)
     ep.attach(model)
     return ep
 
@@ -124,14 +144,13 @@ def serve(rank: int, world: int, port: int, files: ModelFiles, device: str, dtyp
           parent: int, ready) -> None:
     """A follower's life: load, say so, join, then rank 0's announcements until STOP."""
     from shared.engine.loader import load
-    from shared.engine.models import build_model
     from shared.engine.ops import select_ops
 
     _leave_with(parent)
     dev = torch.device(device)
     try:
         loaded = load(files, keep_quantized=keep_quantized)
-        model = build_model(loaded.config, loaded.weights, dev, getattr(torch, dtype), select_ops(dev, "auto"))
+        model = rank_model(loaded, world, rank, dev, getattr(torch, dtype), select_ops(dev, "auto"))
     except Exception as exc:  # told to rank 0, which fails its engine's construction with it
         ready.put((rank, f"{type(exc).__name__}: {exc}"))
         return

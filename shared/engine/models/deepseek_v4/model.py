@@ -13,6 +13,7 @@ in float32, whatever the weight dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,15 +40,19 @@ if TYPE_CHECKING:
 class DeepseekV4:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-        ops: Ops | None = None,
+        ops: Ops | None = None, held_experts: Sequence[int] | None = None,
     ) -> None:
+        """held_experts: the main layers' routed experts this process keeps (a rank of an expert-parallel worker,
+        parallel/servers.py; their stacks in this order), None = all."""
         spec: DeepseekV4Spec = config.spec
         self.config, self.spec, self.dtype, self.device = config, spec, dtype, device
         self.block_tokens = spec.block_tokens
         self.cache: V4Cache | None = None
         # Triton kernels where they replace long chains of tiny torch ops (the rest is the torch path)
         self.triton = ops is not None and ops.name == "triton" and spec.hc_mult & (spec.hc_mult - 1) == 0
-        self.weights = load(spec, weights, device, dtype, quantized=self.triton)  # FP8 / FP4 kept for the kernels
+        self.held_experts = list(range(spec.num_experts) if held_experts is None else held_experts)
+        # FP8 / FP4 kept for the kernels
+        self.weights = load(spec, weights, device, dtype, quantized=self.triton, held=held_experts)
         self.layers = self.weights.layers
         self.mtp = self.weights.mtp
         self.attention = Attention(spec, device, triton=self.triton)
