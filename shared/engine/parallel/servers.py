@@ -11,8 +11,8 @@ The worker thus stays one bus worker with one cache and one block layout: only t
 Data-parallel attention (dp.py: each rank its own sequences) is the next step for serving; it needs rank 0's
 scheduler to place sequences on ranks and the KV export to read a rank's blocks.
 
-The followers load the checkpoint themselves (from its path: no weights cross the pipe) and keep their slots'
-experts; they are daemonic (gone with rank 0's exit) and leave when rank 0's process does (a watchdog thread),
+The followers load the checkpoint themselves (from its path: no weights cross the pipe) and bring only their
+share of the routed experts to their device (rank_model); they are daemonic (gone with rank 0's exit) and leave when rank 0's process does (a watchdog thread),
 since a rank blocked in a collective would otherwise outlive a killed worker.
 """
 
@@ -41,7 +41,9 @@ from shared.models import ModelFiles
 
 GO, PLAN, STOP = 1, 2, 0
 EXPERT_MODELS = ("deepseek_v4",)  # architectures whose MoE layers parallel/ep_moe.py runs
-IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for rank 0's next forward however long it idles
+# a follower waits for rank 0's next forward however long the worker idles (on NCCL that wait is a broadcast
+# kernel left running on the follower's GPU: harmless, but it keeps the GPU busy-looking)
+IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
 def free_port() -> int:
