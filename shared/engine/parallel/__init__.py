@@ -9,4 +9,6 @@ data-parallel attention, DeepSeek's serving layout.
                   expert, compute there, combine back; applying a new placement between two steps
     dp.py         the step driver: rank 0 schedules and broadcasts each step's plan, every rank runs its own
                   sequences' attention, ranks with no sequences still join every MoE exchange
+    servers.py    what serving runs today (Engine(expert_parallel=N)): rank 0 is the whole engine, the ranks it
+                  spawns hold their share of the experts and join every forward's exchanges; plans applied
 """
