@@ -179,6 +179,7 @@ class AsyncEngine:
         for queue in self._outputs.values():
             queue.put_nowait(None)
         self._thread.shutdown(wait=True)
+        self.engine.close()  # an expert-parallel engine's other ranks
 
 
 def _export_device(engine: Engine, request_id: str, blocks: int, state: bytes, nbytes: int) -> torch.Tensor:

@@ -40,6 +40,8 @@ from shared.engine.loader import LoadedModel, load
 from shared.engine.model_runner import ModelRunner
 from shared.engine.models import build_model
 from shared.engine.ops import select_ops
+from shared.engine.parallel.placement import Placement
+from shared.engine.parallel.servers import ExpertServers, free_port, rank_model
 from shared.engine.processors import LogitsProcessors
 from shared.engine.protocols import Cache, CountsExperts, GraphsDecode, HasOwnCache
 from shared.engine.sampler import (RowOp, sample, sample_on_device, token_logprobs, torch_log_softmax,
@@ -48,6 +50,7 @@ from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import SamplingSpec, Sequence, Status
 from shared.engine.verify_policy import make_policy
 from shared.models import ModelFiles, resolve
+from shared.schemas.experts import ExpertPlan
 from shared.schemas.generate import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = ["Engine", "EngineRequest", "EngineStats", "RequestError", "StepOutput", "run_to_completion"]
@@ -137,6 +140,7 @@ class Engine:
         quantization: str = "auto",
         vocabulary: Callable[[], Seq[bytes]] | None = None,
         deterministic: bool = False,
+        expert_parallel: int = 1,
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -152,7 +156,9 @@ class Engine:
         model is served with); deterministic: batch-invariant kernels on a GPU (ops.py "deterministic"): a
         request's logits are the same bits whatever its batch and whether a position came from prefill or
         decode, so a migrated continuation is token-identical in bf16 (on a CPU the torch ops, fp32, as
-        always; `kernels` may still name "deterministic" there, under Triton's interpreter, for tests)."""
+        always; `kernels` may still name "deterministic" there, under Triton's interpreter, for tests);
+        expert_parallel: ranks the routed experts are spread over (parallel/servers.py: this process is rank 0
+        and runs everything else, the others are spawned processes; DeepSeek-V4 only, without CUDA graphs)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
@@ -163,12 +169,20 @@ class Engine:
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.config: ModelConfig = loaded.config
         self.ops = select_ops(self.device, _kernels(kernels, deterministic, self.device))
-        self.model = build_model(loaded.config, loaded.weights, self.device, self.dtype, self.ops)
+        if expert_parallel < 1:
+            raise ValueError(f"expert_parallel must be >= 1, got {expert_parallel}")
+        # rank 0 of an expert-parallel worker brings only its share of the routed experts to the device
+        self.model = (build_model(loaded.config, loaded.weights, self.device, self.dtype, self.ops)
+                      if expert_parallel == 1 else
+                      rank_model(loaded, expert_parallel, 0, self.device, self.dtype, self.ops))
         if self.ops.name == "deterministic" and not getattr(self.model, "batch_invariant", False):
             raise ValueError(f"--deterministic: no batch-invariant kernels for {loaded.config.arch} models yet "
                              "(the Llama family has them)")
         self.deterministic = self.ops.name == "deterministic"
         self._softmax, self._log_softmax = _row_ops(self.ops.name)
+        self.experts = self._spread_experts(model, expert_parallel, keep) if expert_parallel != 1 else None
+        if self.experts is not None:
+            cuda_graphs = False  # the exchanges' split sizes are read on the host every layer: nothing to capture
         self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
         self.has_request_state = self.spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = self.spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
@@ -404,6 +418,37 @@ class Engine:
     def replay_tokens(self) -> int:
         """Tokens recomputed before a prefix restored without its short-term state (0: nothing to rebuild)."""
         return self.kv.replay_tokens
+
+    # --- expert parallelism (parallel/servers.py) --------------------------------------------------------------
+
+    def _spread_experts(self, model: str | ModelFiles | LoadedModel, world: int, keep: bool) -> ExpertServers:
+        if isinstance(model, LoadedModel):
+            raise ValueError("expert parallelism needs the checkpoint's path: every rank loads it itself")
+        files = resolve(model) if isinstance(model, str) else model
+        return ExpertServers(self.model, files, world, self.device, self.dtype, keep, free_port())
+
+    def apply_expert_plan(self, plan: ExpertPlan) -> int:
+        """Between two steps: every rank switches to the plan's placement (ValueError when it is not one of this
+        worker's ranks and experts). Returns the bytes of expert weights rank 0 received."""
+        if self.experts is None:
+            raise ValueError("a worker on one rank holds every expert once: no plan to apply")
+        return self.experts.apply(Placement.from_plan(plan))
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks the routed experts are spread over (1: all of them here)."""
+        return 1 if self.experts is None else self.experts.group.world
+
+    @property
+    def expert_plan_version(self) -> int:
+        """The ExpertPlan the ranks run (0: the initial placement, expert e in slot e)."""
+        return 0 if self.experts is None else self.experts.ep.placement.version
+
+    def close(self) -> None:
+        """Stops the other ranks of an expert-parallel engine (nothing to do on one rank)."""
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
 
     # --- introspection ----------------------------------------------------------------------------------------
 

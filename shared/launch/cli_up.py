@@ -93,6 +93,10 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--quantization", choices=QUANTIZATIONS, default=default_of(WorkerConfig, "quantization"),
                          help="a quantized checkpoint's weights: auto (as shipped on a GPU: DeepSeek-V4's FP8 / FP4) "
                               "| bf16 (dequantized)")
+    workers.add_argument("--expert-parallel", "--expert-parallel-size", dest="expert_parallel", type=int,
+                         default=default_of(WorkerConfig, "expert_parallel"),
+                         help="ranks each DeepSeek-V4 worker spreads its routed experts over (processes it spawns: "
+                              "gloo on a CPU, the next GPUs on CUDA); 1 = off")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
     load.add_argument("--max-queued-requests", type=int, default=default_of(RecipeConfig, "max_queued_requests"),
                       help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")
@@ -165,7 +169,8 @@ def _check_values(args: argparse.Namespace) -> None:
               "--decode-workers": (args.decode_workers, 1), "--max-num-seqs": (args.max_num_seqs, 1),
               "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
               "--speculative-tokens": (args.speculative_tokens, 0), "--max-model-len": (args.max_model_len, 2),
-              "--kv-blocks": (args.kv_blocks, 1), "--kv-arena-mib": (args.kv_arena_mib, 1),
+              "--kv-blocks": (args.kv_blocks, 1),
+              "--expert-parallel": (args.expert_parallel, 1), "--kv-arena-mib": (args.kv_arena_mib, 1),
               "--max-queued-requests": (args.max_queued_requests, 0),
               "--max-queued-tokens": (args.max_queued_tokens, 0), "--max-migrations": (args.max_migrations, 0)}
     for flag, (value, low) in lowest.items():

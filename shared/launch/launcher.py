@@ -93,7 +93,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         ("--speculative-policy", args.speculative_policy if args.speculative_tokens else None),
                         ("--kv-blocks", args.kv_blocks), ("--kv-arena-mib", args.kv_arena_mib),
                         ("--gpu-memory-utilization", cli_up.worker_share(args)),
-                        ("--quantization", args.quantization if args.quantization != "auto" else None)):
+                        ("--quantization", args.quantization if args.quantization != "auto" else None),
+                        ("--expert-parallel", args.expert_parallel if args.expert_parallel > 1 else None)):
         worker += [flag, str(value)] if value is not None else []
     worker += ["--enforce-eager"] if args.enforce_eager else []
     worker += ["--deterministic"] if args.deterministic else []  # every worker: prefill's token 0 too
@@ -103,7 +104,9 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         "--client-body-timeout", str(args.client_body_timeout)]
     plan = Plan()
     plan.add("kvcache", "kvcache-0", common, logs)
-    plan.add("balancer", "balancer-0", common + ["--roles", "prefill,decode"], logs)
+    # expert-parallel workers apply the experts role's placements; others would only log them
+    roles = "prefill,decode,experts" if args.expert_parallel > 1 else "prefill,decode"
+    plan.add("balancer", "balancer-0", common + ["--roles", roles], logs)
     for i in range(args.prefill_workers):
         plan.add("prefill", f"prefill-{i}", worker, logs)
     for i in range(args.decode_workers):

@@ -71,6 +71,11 @@ class WorkerConfig:
     expert_counts_interval_s: float = option(
         5.0, help="s between two reports of the per-expert routing counts on the bus (experts.load, for the "
                   "balancer's experts role); models with routed experts only; 0 = off")
+    expert_parallel: int = option(
+        1, aliases=("--expert-parallel-size",),  # the second spelling is vLLM's
+        help="ranks a DeepSeek-V4 worker spreads its routed experts over (this process is rank 0 and runs the rest "
+             "of the model; the others are processes it spawns, gloo on a CPU, one GPU each on CUDA); the worker "
+             "applies the experts balancer's plans between two steps; 1 = off")
     kv_arena_mib: int = option(
         ARENA_MIB, env=True, help="MiB of shared memory (/dev/shm) per arena: the store's (--kv-transport shm) and a "
                                   "prefill worker's peer hand-overs' (a prompt's KV that does not fit goes over NATS)")
@@ -93,6 +98,8 @@ class WorkerConfig:
             raise ValueError(f"--kv-peer-transport must be one of {list(PEER_TRANSPORTS)}")
         if self.expert_counts_interval_s < 0:
             raise ValueError("--expert-counts-interval must be >= 0")
+        if self.expert_parallel < 1:
+            raise ValueError("--expert-parallel must be >= 1")
         if self.kv_arena_mib < 1:
             raise ValueError("--kv-arena-mib must be positive")
         if self.speculative_tokens < 0:

@@ -3,9 +3,10 @@
     every interval_s   the engine's cumulative (layers, experts) counts, read between two steps (one device
                        sync every few seconds, none per step), less the previous read -> one window's ExpertLoad
                        on experts.load; the last window summarised in the worker's health
-    experts.plan       a plan for this worker's group is logged and ignored, explicitly: a single-GPU worker
-                       holds every expert once and has nothing to place (applying a plan between two steps needs
-                       the multi-rank worker, issue 19 item 4); it keeps reporting plan_version 0
+    experts.plan       a plan for this worker's group: an expert-parallel worker (--expert-parallel N) applies
+                       it between two steps (its ranks move the expert weights, then switch routing tables) and
+                       reports its version from then on; a single-rank worker holds every expert once and has
+                       nothing to place, so it logs and ignores the plan and keeps reporting plan_version 0
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ class ExpertCounts:
         layers, experts = window.shape
         load = ExpertLoad(worker_id=self.worker_id, role=self.role, model=self.model, group=self.group,
                           layers=layers, experts=experts, counts=window.flatten().tolist(),
-                          window_s=now - self._seen_at, sent_at=now, expert_bytes=self.engine.engine.expert_bytes)
+                          window_s=now - self._seen_at, sent_at=now, expert_bytes=self.engine.engine.expert_bytes,
+                          ranks_per_node=self.engine.engine.expert_ranks,
+                          plan_version=self.engine.engine.expert_plan_version)
         await self._bus.publish(subjects.EXPERT_LOAD, load)
         self._seen, self._seen_at = counts, now
         self.stats["windows"] += 1
@@ -86,9 +89,24 @@ class ExpertCounts:
     async def _on_plan(self, plan: ExpertPlan, _: Envelope) -> None:
         if plan.group != self.group:
             return
+        if self.engine.engine.expert_ranks > 1:
+            await self._apply(plan)
+            return
         self.stats["plans_ignored"] += 1
         log.info("expert plan %d for %s ignored: a single-GPU worker holds every expert once (%d layers would "
                  "change, %.1f MB move)", plan.version, self.group, plan.layers_changed, plan.moved_bytes / 1e6)
+
+    async def _apply(self, plan: ExpertPlan) -> None:
+        started = time.monotonic()
+        try:
+            moved = await self.engine.call(self.engine.engine.apply_expert_plan, plan)
+        except ValueError as exc:  # a plan for another shape of group: the running placement stays
+            self.stats["plans_refused"] += 1
+            log.warning("expert plan %d for %s refused: %s", plan.version, self.group, exc)
+            return
+        self.stats["plans_applied"] += 1
+        log.info("expert plan %d for %s applied in %.2fs (%d layers changed, %.1f MB received by rank 0)",
+                 plan.version, self.group, time.monotonic() - started, plan.layers_changed, moved / 1e6)
 
     def health(self) -> dict[str, Any]:
         """The counters (windows sent, token-expert pairs reported, plans ignored) and, of the last window that

@@ -159,6 +159,7 @@ class EngineWorker(ABC):
                 quantization=self.worker.quantization,
                 cuda_graphs=not self.worker.enforce_eager,
                 deterministic=self.worker.deterministic,
+                expert_parallel=self.worker.expert_parallel,
             )
         except Exception as exc:
             log.exception("could not load model %s", self.config.model)

@@ -136,3 +136,50 @@ async def test_counts_reach_the_balancer_and_plans_come_back(nats_url: str, chec
         await balancer.stop()
         for bus in (balancer_bus, worker_bus, side):
             await bus.drain()
+
+
+async def test_an_expert_parallel_worker_applies_its_plans(nats_url: str, checkpoint: Path) -> None:
+    """A worker over 2 ranks (Engine(expert_parallel=2): one spawned gloo process) reports its group as 2 GPUs,
+    gets a plan from the balancer, applies it between two steps, reports its version, and generates the same
+    tokens under it as before."""
+    settings = ExpertsSettings(experts_period_s=600.0, experts_min_gain=0.0)
+    balancer = BalancerService(BalancerConfig(roles=("experts",), experts=settings))
+    engine = AsyncEngine(Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=16, expert_parallel=2))
+    worker = ExpertCounts(engine, "w2", "decode", MODEL, interval_s=0.2)
+    balancer_bus, worker_bus, side = [await connect(nats_url, n) for n in ("balancer", "worker", "side")]
+    loads: list[ExpertLoad] = []
+    plans: list[ExpertPlan] = []
+
+    async def on_load(load: ExpertLoad, _: Envelope) -> None:
+        loads.append(load)
+
+    async def on_plan(plan: ExpertPlan, _: Envelope) -> None:
+        plans.append(plan)
+
+    async def generate(rid: str) -> list[int]:
+        request = EngineRequest(rid, list(range(7, 47)), SamplingParams(temperature=0.0, max_tokens=6,
+                                                                        ignore_eos=True), max_new_tokens=6)
+        return [t for out in [o async for o in engine.generate(request)] for t in out.token_ids]
+
+    await side.subscribe(subjects.EXPERT_LOAD, ExpertLoad, on_load)
+    await side.subscribe(subjects.EXPERT_PLAN, ExpertPlan, on_plan)
+    try:
+        await balancer.start(balancer_bus)
+        engine.start()
+        await worker.start(worker_bus)
+        before = await generate("a")
+        await until(lambda: worker.stats["plans_applied"] == 1, 20.0, "w2's plan to be applied")
+        plan = plans[0]
+        assert (plan.group, plan.version, plan.ranks, plan.slots_per_rank) == ("w2", 1, 2, 4)
+        ep = engine.engine.model.expert_parallel
+        assert ep.placement.physical == tuple(tuple(row) for row in plan.physical)
+        assert (await generate("b")) == before
+        await until(lambda: any(x.plan_version == 1 for x in loads), 10.0, "a window under plan 1")
+        assert {(x.ranks_per_node, x.nodes) for x in loads} == {(2, 1)}
+        assert worker.stats["plans_ignored"] == 0
+    finally:
+        await worker.stop()
+        await engine.stop()
+        await balancer.stop()
+        for bus in (balancer_bus, worker_bus, side):
+            await bus.drain()

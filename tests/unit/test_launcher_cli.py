@@ -191,6 +191,20 @@ def test_each_flag_reaches_the_services_that_own_it(tmp_path: Path) -> None:
     assert (parsed.max_running, parsed.kv_blocks, parsed.gpu_memory_utilization) == (9, 100, 0.4)
 
 
+def test_expert_parallel_reaches_the_workers_and_starts_the_experts_role(tmp_path: Path) -> None:
+    argv = {c.service: c.argv[3:] for c in build_plan(cli_up.parse(["--expert-parallel", "2"]), tmp_path,
+                                                      "nats://127.0.0.1:4222").children}
+    parser = argparse.ArgumentParser()
+    add_common_args(parser, "decode")
+    add_worker_args(parser)
+    assert parser.parse_args(argv["decode"]).expert_parallel == 2
+    assert argv["balancer"][argv["balancer"].index("--roles") + 1] == "prefill,decode,experts"
+    plain = {c.service: c.argv for c in build_plan(cli_up.parse([]), tmp_path, "nats://127.0.0.1:4222").children}
+    assert "--expert-parallel" not in plain["decode"] and "prefill,decode" in plain["balancer"]
+    with pytest.raises(SystemExit):
+        cli_up.parse(["--expert-parallel", "0"])
+
+
 def test_the_launcher_splits_one_gpu_between_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every worker runs on the one device: by default they share 0.9 of it evenly; a share given is each
     worker's own (vLLM's meaning), refused when the workers' shares add up past the whole device."""

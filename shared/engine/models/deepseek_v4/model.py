@@ -13,6 +13,9 @@ in float32, whatever the weight dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from shared.engine.attention import AttentionMetadata
@@ -30,25 +33,35 @@ from shared.engine.models.deepseek_v4.weights import HcParams, load
 from shared.engine.ops import Ops
 from shared.engine.quant import linear
 
+if TYPE_CHECKING:
+    from shared.engine.parallel.ep_moe import ExpertParallel
+
 
 class DeepseekV4:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-        ops: Ops | None = None,
+        ops: Ops | None = None, held_experts: Sequence[int] | None = None,
     ) -> None:
+        """held_experts: the main layers' routed experts this process keeps (a rank of an expert-parallel worker,
+        parallel/servers.py; their stacks in this order), None = all."""
         spec: DeepseekV4Spec = config.spec
         self.config, self.spec, self.dtype, self.device = config, spec, dtype, device
         self.block_tokens = spec.block_tokens
         self.cache: V4Cache | None = None
         # Triton kernels where they replace long chains of tiny torch ops (the rest is the torch path)
         self.triton = ops is not None and ops.name == "triton" and spec.hc_mult & (spec.hc_mult - 1) == 0
-        self.weights = load(spec, weights, device, dtype, quantized=self.triton)  # FP8 / FP4 kept for the kernels
+        self.held_experts = list(range(spec.num_experts) if held_experts is None else held_experts)
+        # FP8 / FP4 kept for the kernels
+        self.weights = load(spec, weights, device, dtype, quantized=self.triton, held=held_experts)
         self.layers = self.weights.layers
         self.mtp = self.weights.mtp
         self.attention = Attention(spec, device, triton=self.triton)
         # (layers, experts) int64: token-expert pairs routed since load, accumulated on the device by every forward
         # of the main layers (not the MTP draft layer's); the worker reads it every few seconds (expert placement)
         self.expert_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, device=device)
+        # set by parallel/ep_moe.py when the worker spans several ranks: the main layers' routed experts live
+        # in its per-rank slots and every MoE layer is an exchange between the ranks
+        self.expert_parallel: ExpertParallel | None = None
 
     # --- the cache ----------------------------------------------------------------------------------------------
 
@@ -94,21 +107,26 @@ class DeepseekV4:
         # a captured decode step's padding rows (the scratch slot, graphs.py) route too: they are not counted
         real = (torch.ones(input_ids.shape[0], dtype=torch.int64, device=x.device) if batch is None
                 else (batch.slots != kv.scratch_slot).long())  # (T,)
+        ep = self.expert_parallel
+        if ep is not None and ep.announce is not None:
+            ep.announce()  # the other ranks join this forward's exchanges
         for i, layer in enumerate(self.layers):
             post, comb, h = hc_pre(s, streams, layer.hc_attn, self.triton)
             out = self.attention(i, layer, rms(h, layer.attn_norm, s.rms_eps), positions, angles, meta, states, kv,
                                  batch)
             streams = hc_post(out, post, comb, streams)
             post, comb, h = hc_pre(s, streams, layer.hc_ffn, self.triton)
-            out = moe(s, layer, rms(h, layer.ffn_norm, s.rms_eps), input_ids, self.triton, self.expert_counts[i], real)
+            h = rms(h, layer.ffn_norm, s.rms_eps)
+            out = (moe(s, layer, h, input_ids, self.triton, self.expert_counts[i], real) if ep is None
+                   else ep.moe(s, i, layer, h, input_ids, self.expert_counts[i], real))
             streams = hc_post(out, post, comb, streams)
         return streams
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of one routed expert's weights as loaded (FP4 with its scales, or dense), for placement."""
-        ex = self.layers[0].experts
-        return (ex.w13.nbytes + ex.w2.nbytes) // self.spec.num_experts
+        ex = self.layers[0].experts if self.expert_parallel is None else self.expert_parallel.local[0]
+        return (ex.w13.nbytes + ex.w2.nbytes) // ex.w13.shape[0]
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams (N, hc, D) of the rows we sample from -> (N, V) float32."""

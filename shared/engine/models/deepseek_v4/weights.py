@@ -12,6 +12,7 @@ embedding) is dequantized here, as every weight is on the torch path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,8 +96,10 @@ class V4Weights:
 
 
 def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device, dtype: torch.dtype,
-         quantized: bool = False) -> V4Weights:
-    """quantized: keep the FP8 linears and FP4 routed experts the checkpoint has as they are (Triton kernels)."""
+         quantized: bool = False, held: Sequence[int] | None = None) -> V4Weights:
+    """quantized: keep the FP8 linears and FP4 routed experts the checkpoint has as they are (Triton kernels);
+    held: the main layers' routed experts to bring to the device, stacked in this order (a rank of an
+    expert-parallel worker: parallel/), None = all of them. The MTP layer always gets all its experts."""
 
     def got(name: str) -> Weight:
         if name not in weights:
@@ -135,7 +138,8 @@ def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device,
         w13 = torch.stack([torch.cat([as_dense(a, dtype), as_dense(b, dtype)]) for a, b in ups]).to(device)
         return Experts(w13, torch.stack([as_dense(t, dtype) for t in downs]).to(device))
 
-    def layer(p: str, kind: str, ratio: int, hashed: bool) -> Layer:
+    def layer(p: str, kind: str, ratio: int, hashed: bool, routed: Sequence[int] = range(spec.num_experts)
+              ) -> Layer:
         a = p + "attn."
         return Layer(
             kind=kind,
@@ -152,11 +156,12 @@ def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device,
             gate=w(p + "ffn.gate.weight"),
             gate_bias=None if hashed else f32(p + "ffn.gate.bias"),
             tid2eid=weights[p + "ffn.gate.tid2eid"].to(device=device, dtype=torch.long) if hashed else None,
-            experts=experts(p + "ffn.experts.", [str(e) for e in range(spec.num_experts)], Fp4Weight),
+            experts=experts(p + "ffn.experts.", [str(e) for e in routed], Fp4Weight),
             shared=experts(p + "ffn.", ["shared_experts"], Fp8Weight) if spec.num_shared_experts else None,
         )
 
-    layers = [layer(f"layers.{i}.", kind, ratio, i < spec.hash_layers)
+    routed = range(spec.num_experts) if held is None else held
+    layers = [layer(f"layers.{i}.", kind, ratio, i < spec.hash_layers, routed)
               for i, (kind, ratio) in enumerate(zip(spec.kinds, spec.ratios))]
     # The MTP layer drafts tokens for speculative decoding. DeepSeek's releases make it window-only (their
     # compress_ratios end in 0): its sliding ring is all the state it needs, kept beside the main layers'.
