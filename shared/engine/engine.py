@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from shared import hashing
-from shared.engine import memory
+from shared.engine import kv_quant, memory
 from shared.engine import speculative as spec_decode
 from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutput
 from shared.engine.block_manager import BlockManager
@@ -137,6 +137,7 @@ class Engine:
         quantization: str = "auto",
         vocabulary: Callable[[], Seq[bytes]] | None = None,
         deterministic: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -152,7 +153,9 @@ class Engine:
         model is served with); deterministic: batch-invariant kernels on a GPU (ops.py "deterministic"): a
         request's logits are the same bits whatever its batch and whether a position came from prefill or
         decode, so a migrated continuation is token-identical in bf16 (on a CPU the torch ops, fp32, as
-        always; `kernels` may still name "deterministic" there, under Triton's interpreter, for tests)."""
+        always; `kernels` may still name "deterministic" there, under Triton's interpreter, for tests);
+        kv_cache_dtype: "auto" (the model's dtype), "bf16", or "fp8" (e4m3 rows with float32 scales, kv_quant.py;
+        DeepSeek-V4 only so far: about half the bytes per block, twice the tokens of context in the pool)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
@@ -169,7 +172,10 @@ class Engine:
                              "(the Llama family has them)")
         self.deterministic = self.ops.name == "deterministic"
         self._softmax, self._log_softmax = _row_ops(self.ops.name)
-        self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
+        self.kv_dtype = kv_quant.kv_dtype(kv_cache_dtype, self.dtype)
+        if self.kv_dtype == kv_quant.FP8 and not isinstance(self.model, HasOwnCache):
+            raise ValueError(f"--kv-cache-dtype fp8: not yet for {loaded.config.arch} models (DeepSeek-V4 has it)")
+        self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.kv_dtype)
         self.has_request_state = self.spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = self.spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
         self.cache_id = f"{loaded.name}:{loaded.config.arch}:{self.spec.layout_id()}"
@@ -223,7 +229,7 @@ class Engine:
         """The one place a cache is made: a model with its own long-term layout (V4) makes it; Llama's K/V
         pages are the default."""
         if isinstance(self.model, HasOwnCache):
-            return self.model.make_cache(num_blocks, self.max_running)  # + its per-request state slots
+            return self.model.make_cache(num_blocks, self.max_running, self.kv_dtype)  # + per-request state slots
         return KVCache(self.spec, num_blocks, self.device)
 
     # --- requests ---------------------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ class CacheSpec:
     per_request_state_bytes: int  # sliding-window rings etc.; 0 for Llama
     block_bytes: int = 0  # when paged is None
     block_tokens: int = 0  # when paged is None
+    kv_dtype: str = ""  # when paged is None: how the blocks store KV ("float8_e4m3fn": kv_quant.py's packed rows)
 
     @property
     def bytes_per_block(self) -> int:
@@ -99,7 +100,8 @@ class CacheSpec:
         """Part of the engine's cache identity: blobs only move between engines with the same layout."""
         p = self.paged
         if p is None:
-            return f"blocks{self.block_bytes}xB{self.block_tokens}:s{self.per_request_state_bytes}"
+            dtype = f":{self.kv_dtype}" if self.kv_dtype else ""  # bf16 and FP8 blocks never mix
+            return f"blocks{self.block_bytes}xB{self.block_tokens}{dtype}:s{self.per_request_state_bytes}"
         paged = f"L{p.num_layers}xK{p.num_kv_heads}xD{p.head_dim}xB{p.block_tokens}"
         return f"{paged}:{str(p.dtype).removeprefix('torch.')}:s{self.per_request_state_bytes}"
 
