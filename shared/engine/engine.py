@@ -526,7 +526,8 @@ class Engine:
         # a model that keeps its weights apart (V4) has other tensors beside them (its expert counts): not weights
         weights = getattr(self.model, "weights", self.model)
         return memory.MemoryReport(memory.held_bytes(weights), self.blocks.num_blocks * self.spec.bytes_per_block,
-                                   self.blocks.num_blocks, self.block_tokens, state, self.context_cap)
+                                   self.blocks.num_blocks, self.block_tokens, state, self.context_cap,
+                                   str(self.kv_dtype).removeprefix("torch."))
 
     def activation_peak(self) -> int:
         """Bytes one step of max_batch_tokens fresh prompt tokens allocates above what the engine holds (its

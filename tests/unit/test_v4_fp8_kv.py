@@ -16,7 +16,7 @@ import torch
 from shared import hashing
 from shared.engine import memory
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
-from shared.engine.kv_quant import FP8, FP8_MAX, Fp8Rows, RowLayout, dequantize, kv_dtype, quantize
+from shared.engine.kv_quant import FP8, FP8_MAX, KV_CACHE_DTYPES, Fp8Rows, RowLayout, dequantize, kv_dtype, quantize
 from shared.engine.models.deepseek_v4.cache import V4Cache
 from shared.schemas.generate import SamplingParams
 from tests import v4_checkpoints
@@ -161,3 +161,13 @@ def test_memory_report_fits_more_tokens(engines) -> None:
     m = fp8.memory()
     assert m.kv_bytes == m.kv_blocks * fp8.block_bytes and m.tokens == 64 * fp8.block_tokens
     assert m.state_bytes < full.memory().state_bytes  # the window rings shrink too
+    assert "KV pool 0.00 GiB of float8_e4m3fn (64 blocks of 16 tokens)" in m.line()
+
+
+def test_worker_flag_names_the_engine_dtypes() -> None:
+    from shared.worker import config
+
+    assert config.KV_CACHE_DTYPES == KV_CACHE_DTYPES  # the worker's flag is checked without importing torch
+    assert config.WorkerConfig(device="cpu", kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        config.WorkerConfig(device="cpu", kv_cache_dtype="int8")
