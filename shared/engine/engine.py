@@ -173,8 +173,10 @@ class Engine:
         self.deterministic = self.ops.name == "deterministic"
         self._softmax, self._log_softmax = _row_ops(self.ops.name)
         self.kv_dtype = kv_quant.kv_dtype(kv_cache_dtype, self.dtype)
-        if self.kv_dtype == kv_quant.FP8 and not isinstance(self.model, HasOwnCache):
-            raise ValueError(f"--kv-cache-dtype fp8: not yet for {loaded.config.arch} models (DeepSeek-V4 has it)")
+        if self.kv_dtype == kv_quant.FP8 and not isinstance(self.model, HasOwnCache) and self.ops.name != "torch":
+            # the Llama family's Triton kernels (fused RoPE write, paged attention) read and write bf16 pages
+            raise ValueError(f"--kv-cache-dtype fp8 for {loaded.config.arch} models needs the torch kernels "
+                             "(--kernels torch) so far; DeepSeek-V4 has it with every kernel")
         self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.kv_dtype)
         self.has_request_state = self.spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = self.spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
@@ -230,7 +232,7 @@ class Engine:
         pages are the default."""
         if isinstance(self.model, HasOwnCache):
             return self.model.make_cache(num_blocks, self.max_running, self.kv_dtype)  # + per-request state slots
-        return KVCache(self.spec, num_blocks, self.device)
+        return KVCache(self.spec, num_blocks, self.device, self.dtype)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
