@@ -97,7 +97,7 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                          default=default_of(WorkerConfig, "kv_cache_dtype"),
                          help="KV cache storage: auto (the model's dtype) | bf16 | fp8 (e4m3 with scales: about twice "
-                              "the tokens of context; DeepSeek-V4)")
+                              "the tokens of context; DeepSeek-V4, Llama on the torch kernels)")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
     load.add_argument("--max-queued-requests", type=int, default=default_of(RecipeConfig, "max_queued_requests"),
                       help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")

@@ -47,7 +47,8 @@ class WorkerConfig:
     kv_cache_dtype: str = option(
         "auto", env=True, help="how the KV cache stores keys: auto (the model's dtype) | bf16 | fp8 (e4m3 with a "
                                "float32 scale per 64 channels, RoPE channels bf16: about half the bytes per block "
-                               "and twice the tokens of context; DeepSeek-V4 models)")
+                               "and twice the tokens of context; DeepSeek-V4, and Llama-family models on the torch "
+                               "kernels only)")
     enforce_eager: bool = option(
         False, env=True, help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
     deterministic: bool = option(
