@@ -68,6 +68,7 @@ from bench.v4_layer import Costs  # noqa: E402
 from shared.engine.api import RequestError  # noqa: E402
 from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.engine import Engine, EngineRequest, run_to_completion  # noqa: E402
+from shared.engine.kv_quant import KV_CACHE_DTYPES, kv_dtype  # noqa: E402
 from shared.engine.loader import LoadedModel  # noqa: E402
 from shared.engine.loader.deepseek_v4 import _expected, parse_spec  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
@@ -455,7 +456,8 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
     if quantized:
         flops *= 2  # the FLOP floor of FP8 tensor cores (Hopper: twice bf16's)
     bt = spec.block_tokens
-    block_bytes = V4Cache(spec, 1, torch.device("cpu"), dtype).block_bytes
+    kv = kv_dtype(args.kv_cache_dtype, dtype)
+    block_bytes = V4Cache(spec, 1, torch.device("cpu"), dtype, kv_dtype=kv).block_bytes
     chunk = min(args.prefill)
     cases = [(b, c) for c in args.ctx for b in args.batches]
     need = max([b * (-(-(c + args.steps + 16) // bt)) for b, c in cases] + [-(-(max(args.prefill) + 2) // bt)])
@@ -468,7 +470,8 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
     log(f"{name}: {layers} layers x {experts} experts, weights {weight_gib:.1f} GiB, KV pool {blocks} blocks "
         f"({blocks * block_bytes / GiB:.1f} GiB, {block_bytes / 2**20:.2f} MiB per {bt}-token block)")
     engine = Engine(LoadedModel(f"v4-random-{name}", model_config(spec), weights), device=str(device), dtype=dtype,
-                    kv_blocks=blocks, max_batch_tokens=chunk, max_running=max(args.batches))
+                    kv_blocks=blocks, max_batch_tokens=chunk, max_running=max(args.batches),
+                    kv_cache_dtype=args.kv_cache_dtype)
     log(f"{name}: model built, {torch.cuda.memory_allocated() / GiB:.1f} GiB allocated" if device.type == "cuda"
         else f"{name}: model built")
     log(f"{name}: {engine.memory().line()}")
@@ -631,6 +634,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="GPU memory left outside the KV pool for activations (the 8K chunk's scores)")
     ap.add_argument("--kernels", type=int, default=0,
                     help="profile a decode step of this batch size at the first context (GPU): a per-kernel table")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="the engine's KV cache: auto | bf16 | fp8 (the memory line and the pool's blocks show it)")
     ap.add_argument("--tiny", action="store_true", help="toy widths on the CPU in seconds (checks the script)")
     ap.add_argument("--quantized", action="store_true",
                     help="issue 15's rows: default shapes 43x32 (bf16) and 43x128q (FP8 / FP4 as DeepSeek ships "

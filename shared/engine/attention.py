@@ -57,8 +57,9 @@ def paged_attention(
     out = torch.empty_like(q)
     for s in meta.spans:
         n, ctx = s.q_len, s.context_len
-        k = k_cache.index_select(0, s.block_table).flatten(0, 1)[:ctx].transpose(0, 1)  # (KV, ctx, D)
-        v = v_cache.index_select(0, s.block_table).flatten(0, 1)[:ctx].transpose(0, 1)  # (KV, ctx, D)
+        # indexing, not index_select: an FP8 cache (kv_quant.Fp8Rows) dequantizes the blocks it gathers
+        k = k_cache[s.block_table].flatten(0, 1)[:ctx].transpose(0, 1)  # (KV, ctx, D)
+        v = v_cache[s.block_table].flatten(0, 1)[:ctx].transpose(0, 1)  # (KV, ctx, D)
         # Fold the G query heads of each KV head into the row dimension, so K/V are never repeated:
         # (n, H, D) -> (KV, G * n, D); row g * n + i is query head kv * G + g at position ctx - n + i.
         qs = q[s.q_start : s.q_start + n].view(n, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * n, D)

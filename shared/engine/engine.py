@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from shared import hashing
-from shared.engine import memory
+from shared.engine import kv_quant, memory
 from shared.engine import speculative as spec_decode
 from shared.engine.api import EngineRequest, EngineStats, RequestError, StepOutput
 from shared.engine.block_manager import BlockManager
@@ -141,6 +141,7 @@ class Engine:
         vocabulary: Callable[[], Seq[bytes]] | None = None,
         deterministic: bool = False,
         expert_parallel: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -158,7 +159,9 @@ class Engine:
         decode, so a migrated continuation is token-identical in bf16 (on a CPU the torch ops, fp32, as
         always; `kernels` may still name "deterministic" there, under Triton's interpreter, for tests);
         expert_parallel: ranks the routed experts are spread over (parallel/servers.py: this process is rank 0
-        and runs everything else, the others are spawned processes; DeepSeek-V4 only, without CUDA graphs)."""
+        and runs everything else, the others are spawned processes; DeepSeek-V4 only, without CUDA graphs);
+        kv_cache_dtype: "auto" (the model's dtype), "bf16", or "fp8" (e4m3 rows with float32 scales, kv_quant.py;
+        DeepSeek-V4 only so far: about half the bytes per block, twice the tokens of context in the pool)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
@@ -180,10 +183,15 @@ class Engine:
                              "(the Llama family has them)")
         self.deterministic = self.ops.name == "deterministic"
         self._softmax, self._log_softmax = _row_ops(self.ops.name)
+        self.kv_dtype = kv_quant.kv_dtype(kv_cache_dtype, self.dtype)
+        if self.kv_dtype == kv_quant.FP8 and not isinstance(self.model, HasOwnCache) and self.ops.name != "torch":
+            # the Llama family's Triton kernels (fused RoPE write, paged attention) read and write bf16 pages
+            raise ValueError(f"--kv-cache-dtype fp8 for {loaded.config.arch} models needs the torch kernels "
+                             "(--kernels torch) so far; DeepSeek-V4 has it with every kernel")
         self.experts = self._spread_experts(model, expert_parallel, keep) if expert_parallel != 1 else None
         if self.experts is not None:
             cuda_graphs = False  # the exchanges' split sizes are read on the host every layer: nothing to capture
-        self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.dtype)
+        self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.kv_dtype)
         self.has_request_state = self.spec.per_request_state_bytes > 0  # V4: rings to hand over with the blocks
         self.block_tokens = self.spec.tokens_per_block  # 16 for Llama; V4: a multiple of its compress ratios (128)
         self.cache_id = f"{loaded.name}:{loaded.config.arch}:{self.spec.layout_id()}"
@@ -237,8 +245,8 @@ class Engine:
         """The one place a cache is made: a model with its own long-term layout (V4) makes it; Llama's K/V
         pages are the default."""
         if isinstance(self.model, HasOwnCache):
-            return self.model.make_cache(num_blocks, self.max_running)  # + its per-request state slots
-        return KVCache(self.spec, num_blocks, self.device)
+            return self.model.make_cache(num_blocks, self.max_running, self.kv_dtype)  # + per-request state slots
+        return KVCache(self.spec, num_blocks, self.device, self.dtype)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -565,7 +573,8 @@ class Engine:
         # a model that keeps its weights apart (V4) has other tensors beside them (its expert counts): not weights
         weights = getattr(self.model, "weights", self.model)
         return memory.MemoryReport(memory.held_bytes(weights), self.blocks.num_blocks * self.spec.bytes_per_block,
-                                   self.blocks.num_blocks, self.block_tokens, state, self.context_cap)
+                                   self.blocks.num_blocks, self.block_tokens, state, self.context_cap,
+                                   str(self.kv_dtype).removeprefix("torch."))
 
     def activation_peak(self) -> int:
         """Bytes one step of max_batch_tokens fresh prompt tokens allocates above what the engine holds (its

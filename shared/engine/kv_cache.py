@@ -25,13 +25,16 @@ end hold whatever was there (the importer overwrites them when it computes those
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import torch
+
+from shared.engine.kv_quant import FP8, Fp8Rows, RowLayout, quantize
 
 HostBuffer = Union[bytes, bytearray, memoryview, np.ndarray, torch.Tensor]  # contiguous host memory; or, for a
 # run's export and import only, a flat uint8 tensor on the cache's GPU (a hand-over by CUDA IPC: no host copy)
@@ -66,13 +69,27 @@ class PagedSpec:
     dtype: torch.dtype
 
     @property
+    def fp8(self) -> bool:
+        """FP8 (kv_quant.py): each token's head stored as one packed row, e4m3 values and their float32 scales."""
+        return self.dtype == FP8
+
+    @property
+    def rows(self) -> RowLayout:
+        return RowLayout(self.head_dim, 0)  # Llama rotates every channel: no bf16 tail, all of it quantized
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.fp8 else self.dtype
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
+        """(L, 2, B, K, D), of storage_dtype (FP8: D is the packed row's bytes)."""
+        width = self.rows.row_bytes if self.fp8 else self.head_dim
+        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, width)
 
     @property
     def bytes_per_block(self) -> int:
-        n = self.num_layers * 2 * self.block_tokens * self.num_kv_heads * self.head_dim
-        return n * self.dtype.itemsize
+        return math.prod(self.block_shape) * self.storage_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,7 @@ class CacheSpec:
     per_request_state_bytes: int  # sliding-window rings etc.; 0 for Llama
     block_bytes: int = 0  # when paged is None
     block_tokens: int = 0  # when paged is None
+    kv_dtype: str = ""  # when paged is None: how the blocks store KV ("float8_e4m3fn": kv_quant.py's packed rows)
 
     @property
     def bytes_per_block(self) -> int:
@@ -99,7 +117,8 @@ class CacheSpec:
         """Part of the engine's cache identity: blobs only move between engines with the same layout."""
         p = self.paged
         if p is None:
-            return f"blocks{self.block_bytes}xB{self.block_tokens}:s{self.per_request_state_bytes}"
+            dtype = f":{self.kv_dtype}" if self.kv_dtype else ""  # bf16 and FP8 blocks never mix
+            return f"blocks{self.block_bytes}xB{self.block_tokens}{dtype}:s{self.per_request_state_bytes}"
         paged = f"L{p.num_layers}xK{p.num_kv_heads}xD{p.head_dim}xB{p.block_tokens}"
         return f"{paged}:{str(p.dtype).removeprefix('torch.')}:s{self.per_request_state_bytes}"
 
@@ -110,29 +129,40 @@ class KVCache:
     backtrack = 16
     replay_tokens = 0  # every K/V is long-term: a restored prefix needs nothing recomputed
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
         assert spec.paged is not None, "models without a paged tier arrive with DeepSeek-V4"
         self.spec = spec
         self.num_blocks = num_blocks
         p = spec.paged
-        self.kv = torch.zeros(
-            (p.num_layers, 2, num_blocks, p.block_tokens, p.num_kv_heads, p.head_dim), dtype=p.dtype, device=device
-        )
+        L, kinds, B, K, D = p.block_shape
+        self.kv = torch.zeros((L, kinds, num_blocks, B, K, D), dtype=p.storage_dtype, device=device)
+        self.compute_dtype = compute_dtype  # what an FP8 cache's reads give
 
     @property
     def block_bytes(self) -> int:
         assert self.spec.paged is not None
         return self.spec.paged.bytes_per_block
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each (num_blocks, block_tokens, kv_heads, head_dim)."""
+    def layer(self, layer: int) -> tuple[Any, Any]:
+        """K and V of one layer, each (num_blocks, block_tokens, kv_heads, head_dim): tensors, or for FP8 the
+        packed rows seen as such (Fp8Rows: indexing dequantizes; the torch attention path only)."""
+        assert self.spec.paged is not None
+        if self.spec.paged.fp8:
+            rows = self.spec.paged.rows
+            return Fp8Rows(self.kv[layer, 0], rows, self.compute_dtype), Fp8Rows(self.kv[layer, 1], rows,
+                                                                                 self.compute_dtype)
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new keys/values (T, kv_heads, head_dim) at flat slots (T,)."""
-        k_cache, v_cache = self.layer(layer)
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        assert self.spec.paged is not None
+        for kind, new in ((0, k), (1, v)):
+            cache = self.kv[layer, kind]
+            flat = cache.view(-1, *cache.shape[2:])
+            if self.spec.paged.fp8:
+                new = quantize(new, self.spec.paged.rows)
+            flat.index_copy_(0, slots, new.to(flat.dtype))
 
     # --- long-term blocks as bytes ----------------------------------------------------------------------------
     # A run of blocks moves through one caller-given buffer (the shm arena's slot, a pinned host buffer), the
@@ -174,7 +204,7 @@ class KVCache:
             return
         # one host->device copy, or none (a peer GPU's run: one device copy, the index_copy_ below)
         raw = on_device.to(self.kv.device) if on_device is not None else to_device(data, self.kv.device)
-        runs = raw.view(self.kv.dtype).view(len(blocks), *self.spec.paged.block_shape)
+        runs = raw.view(self.kv.dtype).view(len(blocks), *self.spec.paged.block_shape)  # FP8: uint8 rows
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
         self.kv.index_copy_(2, index, runs.permute(1, 2, 0, 3, 4, 5))
 

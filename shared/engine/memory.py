@@ -65,6 +65,7 @@ class MemoryReport:
     block_tokens: int
     state_bytes: int  # per-request short-term state (V4's sliding rings), all slots together
     context_cap: int  # tokens one sequence may reach
+    kv_dtype: str = ""  # how the pool stores KV ("float8_e4m3fn": --kv-cache-dtype fp8); "" = not said
 
     @property
     def tokens(self) -> int:
@@ -72,7 +73,8 @@ class MemoryReport:
 
     def line(self) -> str:
         full = self.tokens // self.context_cap if self.context_cap else 0
-        return (f"memory: weights {self.weight_bytes / GiB:.2f} GiB, KV pool {self.kv_bytes / GiB:.2f} GiB "
+        dtype = f" of {self.kv_dtype}" if self.kv_dtype else ""
+        return (f"memory: weights {self.weight_bytes / GiB:.2f} GiB, KV pool {self.kv_bytes / GiB:.2f} GiB{dtype} "
                 f"({self.kv_blocks} blocks of {self.block_tokens} tokens) + request state "
                 f"{self.state_bytes / GiB:.2f} GiB: {self.tokens} tokens of context fit "
                 f"({full} sequences at the full {self.context_cap})")

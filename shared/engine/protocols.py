@@ -39,7 +39,8 @@ class Cache(Protocol):
 
 @runtime_checkable
 class HasOwnCache(Protocol):
-    def make_cache(self, num_blocks: int, max_running: int) -> Any: ...  # a Cache (the model's own class, e.g. V4Cache)
+    # a Cache (the model's own class, e.g. V4Cache); kv_dtype: its storage dtype (kv_quant.kv_dtype)
+    def make_cache(self, num_blocks: int, max_running: int, kv_dtype: Any = None) -> Any: ...
 
 
 @runtime_checkable

@@ -18,7 +18,8 @@ from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS
 from shared.config import default_of, model_names
 from shared.nats_urls import server_urls
 from shared.logs import LOG_FORMATS
-from shared.worker.config import QUANTIZATIONS, SPECULATIVE_METHODS, SPECULATIVE_POLICIES, WorkerConfig
+from shared.worker.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, SPECULATIVE_POLICIES,
+                                  WorkerConfig)
 
 DEVICE_SHARE = 0.9  # of one GPU, what its workers fill together by default; the rest: CUDA contexts, graphs
 
@@ -97,6 +98,10 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
                          default=default_of(WorkerConfig, "expert_parallel"),
                          help="ranks each DeepSeek-V4 worker spreads its routed experts over (processes it spawns: "
                               "gloo on a CPU, the next GPUs on CUDA); 1 = off")
+    workers.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                         default=default_of(WorkerConfig, "kv_cache_dtype"),
+                         help="KV cache storage: auto (the model's dtype) | bf16 | fp8 (e4m3 with scales: about twice "
+                              "the tokens of context; DeepSeek-V4, Llama on the torch kernels)")
     load = p.add_argument_group("admission (the recipe refuses past these with a 429 and Retry-After)")
     load.add_argument("--max-queued-requests", type=int, default=default_of(RecipeConfig, "max_queued_requests"),
                       help="requests in flight per model (waiting or running) before new ones get a 429; 0 = unbounded")

@@ -94,7 +94,8 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         ("--kv-blocks", args.kv_blocks), ("--kv-arena-mib", args.kv_arena_mib),
                         ("--gpu-memory-utilization", cli_up.worker_share(args)),
                         ("--quantization", args.quantization if args.quantization != "auto" else None),
-                        ("--expert-parallel", args.expert_parallel if args.expert_parallel > 1 else None)):
+                        ("--expert-parallel", args.expert_parallel if args.expert_parallel > 1 else None),
+                        ("--kv-cache-dtype", args.kv_cache_dtype if args.kv_cache_dtype != "auto" else None)):
         worker += [flag, str(value)] if value is not None else []
     worker += ["--enforce-eager"] if args.enforce_eager else []
     worker += ["--deterministic"] if args.deterministic else []  # every worker: prefill's token 0 too

@@ -14,6 +14,7 @@ HANDOVERS = ("peer", "store")  # --kv-handover
 SPECULATIVE_METHODS = ("mtp", "ngram")  # --speculative-method: shared/engine/drafters METHODS (a test checks them)
 SPECULATIVE_POLICIES = ("fixed", "adaptive")  # --speculative-policy: shared/engine/verify_policy.py POLICIES
 QUANTIZATIONS = ("auto", "bf16")  # --quantization: shared/engine/engine.py QUANTIZATIONS (a test checks them)
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # --kv-cache-dtype: shared/engine/kv_quant.py's (a test checks them)
 KV_TRANSPORTS = "nats | shm"  # the names in shared/worker/kvclient.py TRANSPORTS, for --help (a test checks them)
 
 
@@ -43,6 +44,11 @@ class WorkerConfig:
     quantization: str = option(
         "auto", help="weights of a quantized checkpoint: auto (as shipped on a GPU: DeepSeek-V4's FP8 linears and "
                      "FP4 experts stay quantized, read by the kernels; dequantized on a CPU) | bf16 (dequantized)")
+    kv_cache_dtype: str = option(
+        "auto", env=True, help="how the KV cache stores keys: auto (the model's dtype) | bf16 | fp8 (e4m3 with a "
+                               "float32 scale per 64 channels, RoPE channels bf16: about half the bytes per block "
+                               "and twice the tokens of context; DeepSeek-V4, and Llama-family models on the torch "
+                               "kernels only)")
     enforce_eager: bool = option(
         False, env=True, help="never replay decode steps from CUDA graphs (vLLM's spelling); slower, for debugging")
     deterministic: bool = option(
@@ -108,6 +114,8 @@ class WorkerConfig:
             raise ValueError(f"--speculative-method must be one of {list(SPECULATIVE_METHODS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}")
         if self.speculative_policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"--speculative-policy must be one of {list(SPECULATIVE_POLICIES)}")
 

@@ -157,6 +157,7 @@ class EngineWorker(ABC):
                 max_model_len=self.config.max_model_len,
                 gpu_memory_utilization=self.worker.gpu_memory_utilization,
                 quantization=self.worker.quantization,
+                kv_cache_dtype=self.worker.kv_cache_dtype,
                 cuda_graphs=not self.worker.enforce_eager,
                 deterministic=self.worker.deterministic,
                 expert_parallel=self.worker.expert_parallel,

@@ -42,6 +42,7 @@ import torch
 
 from shared.engine.kv_cache import (Blob, HostBuffer, check_blobs, device_run, host_bytes, runs_of, split_blobs,
                                     staged_runs, sync_device, to_device)
+from shared.engine.kv_quant import FP8, Fp8Rows, RowLayout, storage
 from shared.engine.models.deepseek_v4.spec import CSA, DeepseekV4Spec
 
 HEADER = 24  # length, begin, mtp_length as int64
@@ -55,7 +56,7 @@ class RequestState:
     slot: int  # its row of the cache's pools; swa, comp, index and pending are views of that row
     begin: int  # positions before this were never computed here (bounded replay starts here)
     frozen: int  # entries of windows ending at or before this position are restored: never rewritten
-    swa: list[torch.Tensor]  # per layer (cap_swa, head_dim), then the MTP layer's if the model drafts
+    swa: list[torch.Tensor | Fp8Rows]  # per layer (cap_swa, head_dim), then the MTP layer's if the model drafts
     comp: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (cap, C) kv, gate; None: sliding layer
     index: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer; CSA only
     # MTP: pairs (main streams at j, token j + 1) for j < mtp_length are in the MTP ring; the main streams at
@@ -64,7 +65,8 @@ class RequestState:
     pending: torch.Tensor | None = None  # (hc, D)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = list(self.swa) + ([] if self.pending is None else [self.pending])
+        """The tensors that hold the state's bytes (an FP8 ring's packed rows), in snapshot order."""
+        out = [storage(t) for t in self.swa] + ([] if self.pending is None else [self.pending])
         for pair in (*self.comp, *self.index):
             if pair is not None:
                 out += pair
@@ -73,14 +75,23 @@ class RequestState:
 
 class V4Cache:
     def __init__(self, spec: DeepseekV4Spec, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 backtrack: int = 4, mtp: bool = False, slots: int = 8) -> None:
-        """backtrack: tokens that can be taken back (speculative drafts rejected); mtp: keep the MTP layer's
+                 backtrack: int = 4, mtp: bool = False, slots: int = 8, kv_dtype: torch.dtype | None = None) -> None:
+        """dtype: the model's compute dtype; kv_dtype: the cache's (None: the same). FP8 (kv_quant.py) packs the
+        compressed entries, indexer keys and sliding-window rings as e4m3 rows with float32 scales; the
+        compressors' raw rings and MTP's pending streams stay in the compute dtype (they feed a softmax's gates
+        and a whole hidden state, and are a small share of the bytes; DeepSeek's reference keeps them wide).
+        backtrack: tokens that can be taken back (speculative drafts rejected); mtp: keep the MTP layer's
         ring and pending streams too; slots: requests whose short-term state can be live at once."""
         self.spec = spec
         self.mtp = mtp
         self.num_blocks = num_blocks
         self.device = device
-        self.dtype = dtype
+        self.dtype = dtype  # what readers get
+        self.kv_dtype = kv_dtype or dtype
+        self.fp8 = self.kv_dtype == FP8
+        # rope channels trail an entry / a window key (kept bf16 under FP8); the indexer key is quantized whole
+        self._kv_rows = RowLayout(spec.head_dim, spec.rope_head_dim)
+        self._index_rows = RowLayout(spec.index_head_dim, 0)
         self.block_tokens = spec.block_tokens
         self.backtrack = backtrack
         self.cap_swa = spec.window - 1 + backtrack
@@ -92,16 +103,22 @@ class V4Cache:
         rows = num_blocks + 1
         for kind, m in zip(spec.kinds, spec.ratios):
             per = self.block_tokens // m if m else 0
-            self.entries.append(torch.zeros(rows, per, spec.head_dim, dtype=dtype, device=device) if m else None)
-            self.index_keys.append(
-                torch.zeros(rows, per, spec.index_head_dim, dtype=dtype, device=device) if kind == CSA else None)
-        self._paged = [t for pair in zip(self.entries, self.index_keys) for t in pair if t is not None]
+            self.entries.append(self._store((rows, per), self._kv_rows) if m else None)
+            self.index_keys.append(self._store((rows, per), self._index_rows) if kind == CSA else None)
+        # what a block's blob holds: each store's bytes (FP8: packed rows), uint8 or the cache dtype
+        self._paged = [storage(t) for pair in zip(self.entries, self.index_keys) for t in pair if t is not None]
         self.states: dict[str, RequestState] = {}
         self._pending: dict[str, bytes] = {}  # imported short-term state, installed at admission
         self._pools(slots)
 
+    def _store(self, shape: tuple[int, ...], layout: RowLayout) -> torch.Tensor | Fp8Rows:
+        """A zeroed store of rows of `layout.width` channels: packed FP8 rows, or a tensor of the cache dtype."""
+        if self.fp8:
+            return Fp8Rows.zeros(shape, layout, self.dtype, self.device)
+        return torch.zeros(*shape, layout.width, dtype=self.kv_dtype, device=self.device)
+
     def _pools(self, slots: int) -> None:
-        s, dev, dt = self.spec, self.device, self.dtype
+        s, dev, dt = self.spec, self.device, self.kv_dtype if not self.fp8 else self.dtype
         self.slots = slots
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.scratch_slot = slots  # a row past the lent ones: padding rows of a captured decode step use it
@@ -113,7 +130,7 @@ class V4Cache:
                     torch.zeros(slots, cap, width, dtype=dt, device=dev))
 
         rings = s.num_layers + (1 if self.mtp else 0)
-        self.swa_pool = [torch.zeros(slots, self.cap_swa, s.head_dim, dtype=dt, device=dev) for _ in range(rings)]
+        self.swa_pool = [self._store((slots, self.cap_swa), self._kv_rows) for _ in range(rings)]
         self.comp_pool: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.index_pool: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for layer, kind in enumerate(s.kinds):
@@ -126,16 +143,16 @@ class V4Cache:
 
     @property
     def block_bytes(self) -> int:
-        return sum(t[0].numel() for t in self._paged) * self.dtype.itemsize
+        return sum(t[0].numel() * t.element_size() for t in self._paged)
 
     @property
     def state_bytes(self) -> int:
         """One request's exported state: the header and its row of every pool."""
-        pools = list(self.swa_pool) + ([] if self.pending_pool is None else [self.pending_pool])
+        pools = [storage(t) for t in self.swa_pool] + ([] if self.pending_pool is None else [self.pending_pool])
         for pair in (*self.comp_pool, *self.index_pool):
             if pair is not None:
                 pools += pair
-        return HEADER + sum(t.shape[1:].numel() for t in pools) * self.dtype.itemsize
+        return HEADER + sum(t.shape[1:].numel() * t.element_size() for t in pools)
 
     @property
     def pool_bytes(self) -> int:
@@ -222,12 +239,13 @@ class V4Cache:
             return
         # one host->device copy, or a device copy of a peer GPU's run
         raw = on_device.to(self.device) if on_device is not None else to_device(data, self.device)
-        run = raw.view(self.dtype).view(len(blocks), -1)
+        run = raw.view(len(blocks), -1)  # bytes: the paged tensors may differ in dtype
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         at = 0
         for t in self._paged:
-            n = t[0].numel()
-            t.index_copy_(0, index, run[:, at : at + n].reshape(len(blocks), *t.shape[1:]))
+            n = t[0].numel() * t.element_size()
+            rows = run[:, at : at + n].contiguous().view(t.dtype)  # contiguous: aligned for the dtype's view
+            t.index_copy_(0, index, rows.reshape(len(blocks), *t.shape[1:]))
             at += n
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
@@ -249,8 +267,8 @@ class V4Cache:
         one, is rolled back first)."""
         state = self.state(request_id, length)
         header = np.array([state.length, state.begin, state.mtp_length], dtype=np.int64).tobytes()
-        flat = torch.cat([t.flatten() for t in state.tensors()]).cpu().contiguous()
-        return header + flat.view(torch.uint8).numpy().tobytes()
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.tensors()]).cpu()  # pool rows: contiguous
+        return header + flat.numpy().tobytes()
 
     def import_state(self, request_id: str, blob: bytes) -> None:
         if len(blob) != self.state_bytes:
@@ -261,11 +279,12 @@ class V4Cache:
         length, begin, mtp_length = (int(v) for v in np.frombuffer(blob[:HEADER], dtype=np.int64))
         state = self._fresh(length, begin, length)
         state.mtp_length = mtp_length
-        flat = torch.frombuffer(bytearray(blob[HEADER:]), dtype=torch.uint8).view(self.dtype).to(self.device)
+        flat = torch.frombuffer(bytearray(blob[HEADER:]), dtype=torch.uint8).to(self.device)
         at = 0
         for t in state.tensors():
-            t.copy_(flat[at : at + t.numel()].view(t.shape))
-            at += t.numel()
+            n = t.numel() * t.element_size()
+            t.reshape(-1).view(torch.uint8).copy_(flat[at : at + n])  # a pool row is contiguous: a view of it
+            at += n
         return state
 
     def _fresh(self, length: int, begin: int, frozen: int) -> RequestState:
@@ -274,7 +293,7 @@ class V4Cache:
             raise RuntimeError(f"DeepSeek-V4 per-request state: all {self.slots} slots are in use (running and "
                                "held requests); release held requests or size the pool for more")
         slot = self._free.pop()
-        swa = [pool[slot] for pool in self.swa_pool]
+        swa = [pool.row(slot) if isinstance(pool, Fp8Rows) else pool[slot] for pool in self.swa_pool]
         comp = [None if p is None else (p[0][slot], p[1][slot]) for p in self.comp_pool]
         index = [None if p is None else (p[0][slot], p[1][slot]) for p in self.index_pool]
         pending = None if self.pending_pool is None else self.pending_pool[slot]

@@ -188,7 +188,7 @@ def attend(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, q:
         kv_i, gate_i, iq, weights = idx
         compress(att, ix.compressor, rings, (kv_i, gate_i), b, store, kv, s.index_head_dim)
         ids = select(att, i, layer, b, kv, iq, weights)
-    if not triton:
+    if not triton or kv.fp8:  # FP8 rings / entries: dequantized by the gathers of the torch path (not fused yet)
         return attend_torch(att, i, layer, q, b, kv, ids)
     from shared.engine.kernels.v4_decode import decode_attention
 

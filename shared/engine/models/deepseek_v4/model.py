@@ -66,14 +66,17 @@ class DeepseekV4:
     # --- the cache ----------------------------------------------------------------------------------------------
 
     def cache_spec(self, block_tokens: int, dtype: torch.dtype) -> CacheSpec:
-        probe = V4Cache(self.spec, 1, torch.device("cpu"), dtype, mtp=self.mtp is not None, slots=0)
-        return CacheSpec(None, probe.state_bytes, block_bytes=probe.block_bytes, block_tokens=self.block_tokens)
+        """dtype: the cache's (kv_quant.kv_dtype: the model's, bfloat16, or FP8's packed rows)."""
+        probe = V4Cache(self.spec, 1, torch.device("cpu"), self.dtype, mtp=self.mtp is not None, slots=0,
+                        kv_dtype=dtype)
+        return CacheSpec(None, probe.state_bytes, block_bytes=probe.block_bytes, block_tokens=self.block_tokens,
+                         kv_dtype=str(dtype).removeprefix("torch."))
 
-    def make_cache(self, num_blocks: int, max_running: int = 64) -> V4Cache:
+    def make_cache(self, num_blocks: int, max_running: int = 64, kv_dtype: torch.dtype | None = None) -> V4Cache:
         """Per-request state slots: max_running running requests and as many again held after they finish
-        (awaiting their KV store); more than that fails clearly at admission."""
+        (awaiting their KV store); more than that fails clearly at admission. kv_dtype: as cache_spec's."""
         self.cache = V4Cache(self.spec, num_blocks, self.device, self.dtype, mtp=self.mtp is not None,
-                             slots=2 * max_running)
+                             slots=2 * max_running, kv_dtype=kv_dtype)
         return self.cache
 
     # --- forward ------------------------------------------------------------------------------------------------
