@@ -51,7 +51,10 @@ class Drafts(Protocol):
     def mtp_advance(self, kv: Any, request_id: str, start: int, streams: torch.Tensor, next_tokens: list[int]
                     ) -> torch.Tensor | None: ...
 
-    def mtp_draft(self, kv: Any, request_id: str, out: torch.Tensor, position: int, k: int) -> list[int]: ...
+    def mtp_draft(self, kv: Any, request_id: str, out: torch.Tensor, position: int, k: int, floor: float = 0.0
+                  ) -> tuple[list[int], list[float]]:
+        """Up to k drafts and their probabilities, stopping before one below `floor`."""
+        ...
 
 
 class DecodeGraphRunner(Protocol):

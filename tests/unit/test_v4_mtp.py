@@ -65,12 +65,13 @@ def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path, tempera
     calls = {"n": 0}
     real_draft = engine.model.mtp_draft
 
-    def oracle(kv, request_id, out, position, k):
-        real_draft(kv, request_id, out, position, k)  # keep the MTP layer's own bookkeeping exercised
+    def oracle(kv, request_id, out, position, k, floor=0.0):
+        real_draft(kv, request_id, out, position, k, floor)  # keep the MTP layer's own bookkeeping exercised
         prompt = next(len(r.token_ids) for r in requests if r.request_id == request_id)
         truth = plain[request_id][position + 1 - prompt :][:k]
         calls["n"] += 1
-        return [t if (calls["n"] + i) % 3 else (t + 1) % 512 for i, t in enumerate(truth)]
+        drafts = [t if (calls["n"] + i) % 3 else (t + 1) % 512 for i, t in enumerate(truth)]
+        return drafts, [1.0] * len(drafts)
 
     engine.model.mtp_draft = oracle
     steps = 0
@@ -137,9 +138,10 @@ def test_verified_drafts_carry_the_logprobs_plain_decoding_reports(checkpoint: P
     truth = {rid: [t for t, _, _ in v] for rid, v in plain.items()}
     prompts = {r.request_id: len(r.token_ids) for r in requests()}
 
-    def oracle(kv, request_id, out, position, k):
-        real_draft(kv, request_id, out, position, k)
-        return truth[request_id][position + 1 - prompts[request_id]:][:k]
+    def oracle(kv, request_id, out, position, k, floor=0.0):
+        real_draft(kv, request_id, out, position, k, floor)
+        drafts = truth[request_id][position + 1 - prompts[request_id]:][:k]
+        return drafts, [1.0] * len(drafts)
 
     engine.model.mtp_draft = oracle
     got = run(engine)
