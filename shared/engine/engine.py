@@ -172,6 +172,7 @@ class Engine:
         # before the next is scheduled, the others overlap while the gate says the next would draft nothing
         self.overlap = self.device.type == "cuda"
         self.gate = spec_decode.DraftGate()
+        self.overlapped = 0  # steps launched before the one ahead of them resolved (tests, benchmarks)
         self._readback = [self._pinned(max_running), self._pinned(max_running)]  # alternate: N's, N+1's
         if kv_blocks is None:
             kv_blocks = self._default_blocks(gpu_memory_utilization)
@@ -227,6 +228,7 @@ class Engine:
             # a step with a constrained row is not overlapped: the next step's masks need its tokens in the matchers
             overlap = self.overlap and not self._constrained(done) and self._draftless(done)
             self._inflight = self._launch() if overlap else None
+            self.overlapped += self._inflight is not None
             outputs = self._resolve(done, drafting=not overlap)
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)

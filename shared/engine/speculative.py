@@ -26,20 +26,21 @@ from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence
 from shared.engine.verify_policy import VerifyPolicy
 
-MAX_QUIET = 8  # most overlapped steps in a row after drafting passes that proposed nothing
+MAX_QUIET = 4  # most overlapped steps in a row after drafting passes that proposed nothing
 
 
 class DraftGate:
     """Whether the step after a launched one is drafted (so launched only after that one resolves) or overlapped.
 
     Overlapped when the launched step has no drafts and either the policy's load cut-off allows none at this
-    batch size (a full batch: overlap is worth more than drafts there) or the last drafting passes found nothing
-    to propose (free text under prompt lookup): then the next 1, 2, 4 .. MAX_QUIET steps overlap before the
-    drafter looks again, and a pass that proposes starts over. Only which steps draft changes: never a token."""
+    batch size (a full batch: overlap is worth more than drafts there) or the drafting passes found nothing to
+    propose lately (free text under prompt lookup): after m such passes in a row the next m - 1 steps (at most
+    MAX_QUIET) overlap before the drafter looks again; one miss alone costs nothing, since an accepted draft
+    saves a whole step and overlap only the host's share of one. Only which steps draft changes: never a token."""
 
     def __init__(self) -> None:
         self.quiet = 0  # overlapped steps left before the drafter looks again
-        self.streak = 0  # the last quiet run's length (doubles while passes find nothing)
+        self.misses = 0  # drafting passes in a row that proposed nothing
 
     def overlaps(self, has_drafts: bool, ceiling: int) -> bool:
         if has_drafts:
@@ -53,8 +54,8 @@ class DraftGate:
 
     def drafted(self, proposed: bool) -> None:
         """After a drafting pass: whether it proposed any draft."""
-        self.streak = 0 if proposed else min(max(1, 2 * self.streak), MAX_QUIET)
-        self.quiet = self.streak
+        self.misses = 0 if proposed else self.misses + 1
+        self.quiet = min(max(0, self.misses - 1), MAX_QUIET)
 
 
 @dataclass
