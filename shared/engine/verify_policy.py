@@ -13,9 +13,9 @@ which a succeeded (drafts after the first rejection were never tested), decayed 
 
 MTP confidence (DSpark / vLLM #47808's confidence scheduling): the draft layer's probability for each draft it
 proposes. The engine-wide calibration keeps, per probability bin (BINS of equal width), how many drafts were
-tested and kept; the floor is the lowest bin edge from which every bin up accepts at least CONFIDENT of its
-drafts (an untested bin counts as accepting its midpoint: the prior trusts the probability as it is). The floor
-is the drafter's (one layer's calibration), not a request's: every request teaches it.
+tested and kept; the floor is the lowest bin edge from which the bins up accept at least CONFIDENT of their
+drafts (confidence_floor). Drafting stops at the first draft below it (confidence_cut). The floor is the
+drafter's (one layer's calibration), not a request's: every request teaches it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ DECAY = 0.8  # weight of the history per new verify
 WORTH = 0.3  # verify draft i only while its chance of being reached and kept (p ** i) is at least this
 BINS = 10  # draft-probability bins of the confidence calibration
 CONFIDENT = 0.5  # a bin whose drafts are kept at least this often is above the floor
+EVIDENCE = 2.0  # decayed tested drafts before a bin's own acceptance counts
 
 
 class VerifyPolicy(Protocol):
@@ -120,27 +121,30 @@ def adaptive_length(k: int, match: int | None, rate: float, batch: int) -> int:
 
 def confidence_floor(kept: list[float], tried: list[float]) -> float:
     """The learned draft-probability floor from the calibration bins (kept[b], tried[b]: decayed drafts with a
-    probability in [b / BINS, (b + 1) / BINS) kept and tested): the lower edge of the lowest bin such that it
-    and every bin above accept at least CONFIDENT of their drafts. Each bin's rate has its midpoint as a
-    one-trial prior, so with no history the floor is the first edge whose midpoint reaches CONFIDENT."""
+    probability in [b / BINS, (b + 1) / BINS) kept and tested). From the top bin down, a bin with evidence (at
+    least EVIDENCE drafts tested) lowers the floor to its lower edge while it accepts at least CONFIDENT of its
+    drafts (its midpoint counting as one prior trial), and the first that does not ends the scan; a bin without
+    evidence lowers it only if its midpoint reaches CONFIDENT (the prior trusts the probability as it is), and
+    otherwise neither lowers nor stops it. So with no history the floor is the first edge whose midpoint
+    reaches CONFIDENT, and a drafter that is better than its probabilities say earns a lower one."""
     n = len(kept)
     floor = 1.0
     for b in range(n - 1, -1, -1):
-        if (kept[b] + (b + 0.5) / n) / (tried[b] + 1) < CONFIDENT:
-            break
-        floor = b / n
+        mid = (b + 0.5) / n
+        if tried[b] >= EVIDENCE:
+            if (kept[b] + mid) / (tried[b] + 1) < CONFIDENT:
+                break
+            floor = b / n
+        elif mid >= CONFIDENT:
+            floor = b / n
     return floor
 
 
-def stops_at(index: int, prob: float, floor: float) -> bool:
-    """Whether drafting stops before draft `index` of probability `prob`: below the floor, except the first
-    (always drafted, as history_cap's one: the calibration learns only from drafts that are tested)."""
-    return index > 0 and prob < floor
-
-
 def confidence_cut(probs: list[float], floor: float) -> int:
-    """How many of the drafts (their probabilities, in order) the floor keeps: those before the first it stops at."""
-    return next((i for i, p in enumerate(probs) if stops_at(i, p, floor)), len(probs))
+    """How many of the drafts (their probabilities, in order) to verify: those before the first below the floor,
+    but at least the first (as history_cap's one: the calibration learns only from drafts that are tested)."""
+    first_doubt = next((i for i, p in enumerate(probs) if p < floor), len(probs))
+    return min(len(probs), max(1, first_doubt))
 
 
 def calibrate(kept: list[float], tried: list[float], probs: list[float], accepted: int) -> None:

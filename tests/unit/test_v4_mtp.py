@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.engine import verify_policy
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.schemas.generate import SamplingParams
 from tests import v4_checkpoints
@@ -49,6 +50,23 @@ def test_drafts_never_change_the_output(checkpoint: Path, k: int, temperature: f
     assert run_to_completion(engine, _requests(temperature)) == plain
     assert engine.spec_drafted > 0  # drafts were made and verified (random MTP weights: few accepted)
     assert not engine.kv.states  # every request's state (MTP ring included) is freed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_overlapped_speculation_matches_plain_decoding(checkpoint: Path, temperature: float,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """MTP drafts with overlap on, the adaptive policy (confidence floor included) under a load cut-off of 3
+    sequences: full-batch steps overlap (the MTP layer only advances), smaller ones draft and resolve first. The
+    tokens are plain decoding's, and the layer's state is consistent (every ring freed at the end)."""
+    monkeypatch.setattr(verify_policy, "LOAD_FULL", 1)
+    monkeypatch.setattr(verify_policy, "LOAD_NONE", 3)
+    plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24), _requests(temperature))
+    engine = Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24, speculative_tokens=3,
+                    speculative_policy="adaptive")
+    engine.overlap = True
+    assert run_to_completion(engine, _requests(temperature)) == plain
+    assert engine.spec_verifies > 0 and engine.overlapped > 0
+    assert not engine.kv.states and not engine.policy_state() and not engine.policy.probs
 
 
 @pytest.mark.parametrize("temperature, penalised", [(0.0, False), (0.0, True), (0.8, True)],

@@ -16,7 +16,6 @@ from shared.engine.models.deepseek_v4.cache import V4Cache
 from shared.engine.models.deepseek_v4.mhc import hc_post, hc_pre, rms
 from shared.engine.models.deepseek_v4.moe import moe
 from shared.engine.quant import linear
-from shared.engine.verify_policy import stops_at
 
 if TYPE_CHECKING:
     from shared.engine.models.deepseek_v4.model import DeepseekV4
@@ -51,7 +50,7 @@ def draft(model: DeepseekV4, kv: V4Cache, request_id: str, out: torch.Tensor, po
           floor: float = 0.0) -> tuple[list[int], list[float]]:
     """Up to k greedy draft tokens from the MTP output streams `out` (hc, D) of the pair at `position - 1`, and
     each one's probability under the draft layer (its confidence); drafting stops before a draft below `floor`
-    (verify_policy.stops_at), so a doubtful tail costs no further MTP block."""
+    (verify_policy.confidence_cut), so a doubtful tail costs no further MTP block."""
     m = model.weights.mtp
     assert m is not None
     drafts: list[int] = []
@@ -59,7 +58,10 @@ def draft(model: DeepseekV4, kv: V4Cache, request_id: str, out: torch.Tensor, po
     for step in range(k):
         p, token = torch.softmax(model.head_logits(out[None], m.hc_head, m.norm)[0], -1).max(-1)
         p, token = float(p), int(token)  # one host read per draft (drafting is host-driven anyway)
-        if stops_at(step, p, floor):
+        if p < floor:  # verify_policy.confidence_cut: the first doubtful draft ends drafting, kept only if first
+            if not drafts:
+                drafts.append(token)
+                probs.append(p)
             break
         drafts.append(token)
         probs.append(p)
