@@ -190,13 +190,16 @@ class Engine:
                                    resume=lambda seq, restored: self.kv.begin(seq.request_id, restored))
         self.max_tokens = min(self.context_cap, num_blocks * self.block_tokens)
         # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4 packs its own
-        # decode batch (its per-request state) and captures its own graphs (GraphsDecode), not while it drafts
+        # decode batch (its per-request state) and captures its own graphs (GraphsDecode), whose outputs include
+        # the streams its MTP drafter reads: with speculation, the draft-free decode steps replay graphs too
         batched = self.ops.name == "triton" and not isinstance(self.model, HasOwnCache)
-        own = isinstance(self.model, GraphsDecode) and self.ops.name == "triton" and not self.speculative
+        own = isinstance(self.model, GraphsDecode) and self.ops.name == "triton"
         on_gpu = (batched or own) and self.cuda_graphs and self.device.type == "cuda"
         graphs = graph_buckets(self.max_running) if on_gpu else ()
+        hidden = self.drafter is not None and needs_hidden(self.drafter)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
-                                  max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=self.max_running)
+                                  max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=self.max_running,
+                                  keep_hidden=hidden)
         self.acceptance = spec_decode.Acceptance()
         self._inflight: _Launched | None = None
         self._steps = 0

@@ -60,6 +60,9 @@ class Drafts(Protocol):
 class DecodeGraphRunner(Protocol):
     """Replays decode steps (one sampled token per sequence) from captured CUDA graphs."""
 
+    hidden: torch.Tensor | None  # the last replay's hidden rows (S, ...) when it keeps them (V4: for MTP), a
+    # view of the graph's output that the next replay overwrites
+
     def fits(self, chunks: list) -> bool: ...
 
     def run(self, chunks: list) -> torch.Tensor: ...  # (S, V) float32 logits

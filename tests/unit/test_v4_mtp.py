@@ -52,20 +52,31 @@ def test_drafts_never_change_the_output(checkpoint: Path, k: int, temperature: f
     assert not engine.kv.states  # every request's state (MTP ring included) is freed
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
-def test_overlapped_speculation_matches_plain_decoding(checkpoint: Path, temperature: float,
+@pytest.mark.parametrize("temperature, graphs", [(0.0, False), (0.8, True)], ids=["greedy", "seeded-graphs"])
+def test_overlapped_speculation_matches_plain_decoding(checkpoint: Path, temperature: float, graphs: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """MTP drafts with overlap on, the adaptive policy (confidence floor included) under a load cut-off of 3
     sequences: full-batch steps overlap (the MTP layer only advances), smaller ones draft and resolve first. The
-    tokens are plain decoding's, and the layer's state is consistent (every ring freed at the end)."""
+    tokens are plain decoding's, and the layer's state is consistent (every ring freed at the end). `graphs`: the
+    draft-free decode steps go through V4's decode-graph body (run eagerly on a CPU), whose streams the MTP layer
+    advances on, as a GPU's speculative engine replays them."""
     monkeypatch.setattr(verify_policy, "LOAD_FULL", 1)
     monkeypatch.setattr(verify_policy, "LOAD_NONE", 3)
     plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24), _requests(temperature))
     engine = Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24, speculative_tokens=3,
                     speculative_policy="adaptive")
     engine.overlap = True
+    replays = []
+    if graphs:
+        engine.model.attention.batched = True  # the batched torch path, as test_v4_kernels_decode runs it
+        runner = engine.runner
+        runner.graphs = engine.model.decode_graphs(engine.kv, engine.device, engine.max_tokens, (1, 2, 4),
+                                                   runner.fed)
+        run = runner.graphs.run
+        runner.graphs.run = lambda chunks: replays.append(len(chunks)) or run(chunks)
     assert run_to_completion(engine, _requests(temperature)) == plain
     assert engine.spec_verifies > 0 and engine.overlapped > 0
+    assert bool(replays) == graphs
     assert not engine.kv.states and not engine.policy_state() and not engine.policy.probs
 
 
