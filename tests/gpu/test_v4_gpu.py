@@ -74,10 +74,11 @@ def test_cuda_speculation_overlaps_and_replays_graphs(hub: Path, monkeypatch: py
 
     monkeypatch.setattr(verify_policy, "LOAD_FULL", 1)
     monkeypatch.setattr(verify_policy, "LOAD_NONE", 3)
-    eager = run_to_completion(Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, cuda_graphs=False),
-                              _requests())
+    eager = run_to_completion(Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, cuda_graphs=False,
+                                     max_batch_tokens=24), _requests())
+    # a small prefill budget staggers the admissions: the batch is small (drafting) before it is full (overlap)
     spec = Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, speculative_tokens=2,
-                  speculative_policy="adaptive")
+                  speculative_policy="adaptive", max_batch_tokens=24)
     assert run_to_completion(spec, _requests()) == eager
     assert spec.overlapped > 0 and spec.spec_drafted > 0
     assert spec.runner.graphs is not None and spec.runner.graphs.graphs
