@@ -232,7 +232,7 @@ class Engine:
             overlap = self.overlap and not self._constrained(done) and self._draftless(done)
             self._inflight = self._launch() if overlap else None
             self.overlapped += self._inflight is not None
-            outputs = self._resolve(done, drafting=not overlap)
+            outputs = self._resolve(done, drafting=self._inflight is None)
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)
 
