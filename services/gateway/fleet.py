@@ -23,9 +23,21 @@ class Fleet:
         self._workers: dict[str, tuple[float, Heartbeat]] = {}  # worker id -> (heard at, latest beat)
         self._services: dict[tuple[str, str], tuple[float, Presence]] = {}  # (service, instance) -> ...
         self._boots: dict[str, float] = {}  # a service process's Presence.boot -> when last heard
+        self._draft_rates: dict[str, float] = {}  # worker id -> drafts proposed per second between its last beats
 
     def heard_worker(self, beat: Heartbeat, now: float) -> None:
+        prev = self._workers.get(beat.worker_id)
+        if prev is not None and now > prev[0] and beat.spec_drafted >= prev[1].spec_drafted:
+            self._draft_rates[beat.worker_id] = (beat.spec_drafted - prev[1].spec_drafted) / (now - prev[0])
+        elif prev is not None:  # a restarted worker (its counter began again): no rate until its next beat
+            self._draft_rates.pop(beat.worker_id, None)
         self._workers[beat.worker_id] = (now, beat)
+
+    def draft_rates(self, now: float) -> dict[str, float]:
+        """Speculative drafts per second of every live worker that has beaten twice, by id (heartbeat to
+        heartbeat: what a scrape sees does not depend on how often it scrapes)."""
+        self._forget(now)
+        return {w: r for w, r in self._draft_rates.items() if w in self._workers}
 
     def heard_service(self, presence: Presence, now: float) -> None:
         self._services[(presence.service, presence.instance)] = (now, presence)
@@ -61,6 +73,7 @@ class Fleet:
     def _forget(self, now: float) -> None:
         cutoff = now - self.timeout_s
         self._workers = {k: seen for k, seen in self._workers.items() if seen[0] >= cutoff}
+        self._draft_rates = {k: r for k, r in self._draft_rates.items() if k in self._workers}
         self._services = {k: seen for k, seen in self._services.items() if seen[0] >= cutoff}
         if len(self._boots) > 2 * len(self._services) + 16:  # processes gone long ago (restarts): bounded memory
             self._boots = {b: at for b, at in self._boots.items() if at >= now - 60 * self.timeout_s}

@@ -31,9 +31,10 @@ _SERIES: list[tuple[str, bool, str, Callable[[Heartbeat], float]]] = [
 ]
 
 
-def _acceptance(beats: Sequence[Heartbeat]) -> Iterator[Metric]:
-    """Per model, over its live workers: drafts accepted / proposed and tokens a verifying step emits on average
-    (1 + accepted / verifies, vLLM's mean acceptance length); a model none of whose workers drafted has none."""
+def _acceptance(beats: Sequence[Heartbeat], draft_rates: dict[str, float]) -> Iterator[Metric]:
+    """Per model, over its live workers: drafts accepted / proposed, tokens a verifying step emits on average
+    (1 + accepted / verifies, vLLM's mean acceptance length) and drafts proposed per second (summed over the
+    workers' rates between their last two heartbeats); a model none of whose workers drafted has none."""
     totals: dict[str, list[int]] = {}
     for b in beats:
         t = totals.setdefault(b.model, [0, 0, 0])
@@ -44,12 +45,22 @@ def _acceptance(beats: Sequence[Heartbeat]) -> Iterator[Metric]:
     length = GaugeMetricFamily("deepinfer_spec_decode_mean_accepted_length",
                                "Tokens a verifying decode step emits on average (1 + accepted / verifies), over the "
                                "model's live workers.", labels=["model_name"])
+    per_second = GaugeMetricFamily("deepinfer_spec_decode_draft_tokens_per_second",
+                                   "Speculative draft tokens proposed per second, over the model's live workers "
+                                   "(each worker's rate between its last two heartbeats).", labels=["model_name"])
+    speeds: dict[str, float] = {}
+    for b in beats:
+        if b.worker_id in draft_rates:
+            speeds[b.model] = speeds.get(b.model, 0.0) + draft_rates[b.worker_id]
     for model, (drafted, accepted, verifies) in sorted(totals.items()):
         if drafted and verifies:
             rate.add_metric([model], accepted / drafted)
             length.add_metric([model], 1 + accepted / verifies)
+        if drafted and model in speeds:
+            per_second.add_metric([model], speeds[model])
     yield rate
     yield length
+    yield per_second
 
 
 class FleetCollector:
@@ -66,7 +77,7 @@ class FleetCollector:
             for beat in beats:
                 family.add_metric([beat.model, beat.worker_id, beat.role], value(beat))
             yield family
-        yield from _acceptance(beats)
+        yield from _acceptance(beats, self._fleet.draft_rates(now))
         services = GaugeMetricFamily("deepinfer_services", "Live instances of each service the gateway hears from.",
                                      labels=["service"])
         counts: dict[str, int] = {"prefill": 0, "decode": 0, "recipe": 0, "balancer": 0}

@@ -69,6 +69,7 @@ class DecodeGraphs:
         cap = self.width * block_tokens
         self.context_buckets = sorted({min(512 * 4**i, cap) for i in range(8)})
         self.pool = None
+        self.hidden: torch.Tensor | None = None  # (Llama's drafter, prompt lookup, reads no hidden rows)
 
     @property
     def max_batch(self) -> int:
@@ -126,10 +127,10 @@ class DecodeGraphs:
         return graph, logits
 
 
-def capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture(forward: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
     """forward() run once on a side stream (the warm-up: kernels compile and tune outside the capture), then
     captured into a graph sharing `pool` (one memory pool for every graph of a runner: they never run at once).
-    Returns the graph and its output tensor (rewritten at each replay)."""
+    Returns the graph and its output tensor(s) (rewritten at each replay)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -16,6 +16,13 @@ Step N+1's input ids for sequences sampled at N are placeholders that the model 
 N's tokens (ModelRunner.fed); N's tokens reach the host through an async copy into pinned memory and an event.
 A sequence that stops at N has already been scheduled for N+1: that token is computed, taken back, never
 reported (scheduler.resolve). The tokens are the same as the synchronous path's.
+
+With speculation a step's drafts follow its last token, and a step with drafts emits as many tokens as it
+accepts: the step after it is scheduled only once it is resolved (synchronous). A step without drafts overlaps
+the next launch whenever that next step would not be drafted anyway (speculative.DraftGate: the policy's load
+cut-off allows none, or the drafter found nothing lately), so the non-speculative path keeps its overlap; the
+drafter then only keeps its own state current (the MTP layer advances) and drafts again at the next synchronous
+resolve.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ class _Launched:
     tokens: list[int] | torch.Tensor
     done: torch.cuda.Event | None = None
     logprobs: _Logprobs | None = None
+    hidden: torch.Tensor | None = None  # its hidden rows, for a drafter that reads them (the MTP layer)
 
     def result(self) -> list[int]:
         if self.done is None:
@@ -211,8 +219,11 @@ class Engine:
         files = model if isinstance(model, ModelFiles) else None
         self.grammars = Grammars(self.config.vocab_size, vocabulary or _served_vocabulary(model, files, loaded),
                                  self.device, max_rows=max_running)
-        # the CPU steps synchronously (tests may switch this on); speculative steps need their tokens at once
-        self.overlap = self.device.type == "cuda" and not speculative_tokens
+        # the CPU steps synchronously (tests may switch this on); with speculation a step with drafts is resolved
+        # before the next is scheduled, the others overlap while the gate says the next would draft nothing
+        self.overlap = self.device.type == "cuda"
+        self.gate = spec_decode.DraftGate()
+        self.overlapped = 0  # steps launched before the one ahead of them resolved (tests, benchmarks)
         self._readback = [self._pinned(max_running), self._pinned(max_running)]  # alternate: N's, N+1's
         if kv_blocks is None:
             kv_blocks = self._default_blocks(gpu_memory_utilization)
@@ -230,13 +241,16 @@ class Engine:
                                    resume=lambda seq, restored: self.kv.begin(seq.request_id, restored))
         self.max_tokens = min(self.context_cap, num_blocks * self.block_tokens)
         # the packed batch metadata and CUDA graphs serve the Triton attention kernels (Llama); V4 packs its own
-        # decode batch (its per-request state) and captures its own graphs (GraphsDecode), not while it drafts
+        # decode batch (its per-request state) and captures its own graphs (GraphsDecode), whose outputs include
+        # the streams its MTP drafter reads: with speculation, the draft-free decode steps replay graphs too
         batched = self.ops.batched and not isinstance(self.model, HasOwnCache)
-        own = isinstance(self.model, GraphsDecode) and self.ops.name == "triton" and not self.speculative
+        own = isinstance(self.model, GraphsDecode) and self.ops.name == "triton"
         on_gpu = (batched or own) and self.cuda_graphs and self.device.type == "cuda"
         graphs = graph_buckets(self.max_running) if on_gpu else ()
+        hidden = self.drafter is not None and needs_hidden(self.drafter)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.block_tokens, batched=batched,
-                                  max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=self.max_running)
+                                  max_tokens=self.max_tokens, graph_sizes=graphs, max_rows=self.max_running,
+                                  keep_hidden=hidden)
         self.acceptance = spec_decode.Acceptance()
         self._inflight: _Launched | None = None
         self._steps = 0
@@ -266,10 +280,20 @@ class Engine:
             if done is None:
                 return []
             # a step with a constrained row is not overlapped: the next step's masks need its tokens in the matchers
-            self._inflight = self._launch() if self.overlap and not self._constrained(done) else None
-            outputs = self._resolve(done)
+            overlap = self.overlap and not self._constrained(done) and self._draftless(done)
+            self._inflight = self._launch() if overlap else None
+            self.overlapped += self._inflight is not None
+            outputs = self._resolve(done, drafting=self._inflight is None)
             if outputs or self._inflight is None:
                 return outputs  # (empty: every request of that step was aborted since; go on to the next)
+
+    def _draftless(self, step: _Launched) -> bool:
+        """Whether the step after `step` may be launched before `step` resolves: always without speculation;
+        with it, when `step` verified no drafts and the gate says the next step would be drafted nothing."""
+        if self.drafter is None:
+            return True
+        drafts = any(c.drafts for c in step.plan.chunks)
+        return self.gate.overlaps(drafts, self.policy.ceiling(len(self.scheduler.running)))
 
     def _constrained(self, step: _Launched) -> bool:
         return bool(self.grammars.states) and any(c.sample and c.seq.request_id in self.grammars
@@ -281,7 +305,10 @@ class Engine:
         if not plan.chunks:
             return None
         logits = self.runner.run(plan)  # (num_sampled, V)
-        return self._sample(plan, logits)
+        launched = self._sample(plan, logits)
+        if self.drafter is not None and needs_hidden(self.drafter):
+            launched.hidden = self.runner.hidden  # (the next launch replaces the runner's before this resolves)
+        return launched
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> _Launched:
         """Sample every sampled row of the plan and commit it; tokens stay on the device until resolved."""
@@ -296,7 +323,7 @@ class Engine:
             logits = self.grammars.apply(logits.clone() if logits is raw else logits,
                                          [(c.seq.request_id, c.drafts[:r]) for c, r in rows])
         self.scheduler.commit(plan)  # after reading output positions: it advances them
-        if self.speculative:  # the drafts are verified at once: the next step's chunks depend on them
+        if any(c.drafts for c in plan.chunks):  # verified at once: the next step's chunks depend on them
             sampled = sample(logits, specs, positions) if self.device.type == "cpu" else (
                 sample_on_device(logits, specs, positions, self._softmax).tolist())
             logprobs = self._logprobs(raw, specs, torch.tensor(sampled, device=self.device))
@@ -333,17 +360,18 @@ class Engine:
                           for p in parts)
         return _Logprobs(rows, counts, *parts)
 
-    def _resolve(self, done: _Launched) -> list[StepOutput]:
-        """A launched step's tokens into outputs (waiting for them on a GPU); the next drafts; finished
-        requests' state dropped."""
+    def _resolve(self, done: _Launched, drafting: bool = True) -> list[StepOutput]:
+        """A launched step's tokens into outputs (waiting for them on a GPU); the next drafts (when `drafting`:
+        no step is in flight); finished requests' state dropped."""
         outputs = self.scheduler.resolve(done.plan, done.result())
         if done.logprobs is not None:
             self._attach_logprobs(done, outputs)
         if self.drafter is not None:
-            hidden = self.runner.hidden if needs_hidden(self.drafter) else None
-            batch = len(self.scheduler.running)  # the next step's decodes, about: the load the policy weighs
-            self.drafter.propose(self.kv, done.plan, hidden, self.scheduler,
-                                 lambda seq, match: self.policy.length(seq.request_id, match, batch))
+            # the next step's decodes, about: the load the policy weighs
+            budget = spec_decode.Budget(self.policy, len(self.scheduler.running), drafting)
+            self.drafter.propose(self.kv, done.plan, done.hidden, self.scheduler, budget)
+            if drafting:
+                self.gate.drafted(any(c.seq.drafts for c in done.plan.chunks))
         for out in outputs:
             if out.token_ids and self.grammars.states:
                 self.grammars.accept(out.request_id, out.token_ids)

@@ -30,18 +30,20 @@ from shared.engine.scheduler import StepPlan
 class ModelRunner:
     def __init__(
         self, model: CausalLM, kv: KVCache, device: torch.device, block_tokens: int, *, batched: bool = False,
-        max_tokens: int = 0, graph_sizes: tuple[int, ...] = (), max_rows: int = 1,
+        max_tokens: int = 0, graph_sizes: tuple[int, ...] = (), max_rows: int = 1, keep_hidden: bool = False,
     ) -> None:
         """batched: build the packed device metadata (the Triton ops need it); graph_sizes: decode batch
         sizes to capture CUDA graphs for (lazily, on first use), each sequence up to max_tokens long;
-        max_rows: most sampled rows in one step (the size of `fed`)."""
+        max_rows: most sampled rows in one step (the size of `fed`); keep_hidden: every step leaves its hidden
+        rows in `hidden` as a tensor of its own (a drafter reads them after the next step may have run)."""
         self.model = model
         self.kv = kv
         self.device = device
         self.bt = block_tokens
         self.batched = batched
         self.fed = torch.zeros(max_rows, dtype=torch.long, device=device)  # the last step's sampled tokens
-        self.hidden: torch.Tensor | None = None  # the last step's hidden rows (non-batched path)
+        self.hidden: torch.Tensor | None = None  # the last step's hidden rows (non-batched path, or V4's graphs)
+        self.keep_hidden = keep_hidden
         self.staging = PinnedStaging(device) if batched else None
         self.graphs: DecodeGraphRunner | None = None
         if graph_sizes and isinstance(model, GraphsDecode):  # the model's own (V4: per-request state inside)
@@ -62,7 +64,11 @@ class ModelRunner:
         if self.batched:
             return self._run_batched(plan)
         if self.graphs is not None and self.graphs.fits(plan.chunks):
-            return self.graphs.run(plan.chunks)
+            logits = self.graphs.run(plan.chunks)
+            # the graph's output buffer is rewritten by the next replay, which an overlapped step runs first
+            hidden = self.graphs.hidden
+            self.hidden = hidden.clone() if self.keep_hidden and hidden is not None else None
+            return logits
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

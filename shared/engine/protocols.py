@@ -52,11 +52,17 @@ class Drafts(Protocol):
     def mtp_advance(self, kv: Any, request_id: str, start: int, streams: torch.Tensor, next_tokens: list[int]
                     ) -> torch.Tensor | None: ...
 
-    def mtp_draft(self, kv: Any, request_id: str, out: torch.Tensor, position: int, k: int) -> list[int]: ...
+    def mtp_draft(self, kv: Any, request_id: str, out: torch.Tensor, position: int, k: int, floor: float = 0.0
+                  ) -> tuple[list[int], list[float]]:
+        """Up to k drafts and their probabilities, stopping before one below `floor`."""
+        ...
 
 
 class DecodeGraphRunner(Protocol):
     """Replays decode steps (one sampled token per sequence) from captured CUDA graphs."""
+
+    hidden: torch.Tensor | None  # the last replay's hidden rows (S, ...) when it keeps them (V4: for MTP), a
+    # view of the graph's output that the next replay overwrites
 
     def fits(self, chunks: list) -> bool: ...
 

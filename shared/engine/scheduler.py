@@ -121,6 +121,9 @@ class Scheduler:
                     drafts = drafts[: n - 1] if decoding else []
                     plan.chunks.append(Chunk(seq, seq.num_computed, n, seq.num_computed + n - len(drafts)
                                              == seq.num_tokens, tuple(drafts)))
+                    # drafts follow the sequence's last token: once scheduled they are spent (an overlapped next
+                    # step, scheduled before the drafter has seen this one's token, must not verify them again)
+                    seq.drafts = []
                     scheduled.add(seq)
                     budget -= n
         # Admitting while preempting would hand the freed blocks straight back to a newcomer and thrash.

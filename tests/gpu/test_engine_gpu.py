@@ -237,3 +237,28 @@ def test_penalties_bias_and_logprobs_on_the_device_paths() -> None:
         torch.cuda.set_sync_debug_mode(0)
     while fast.has_work():
         fast.step()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_speculative_overlap_and_graphs_change_nothing(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt lookup on the GPU in fp32 with overlap and CUDA graphs on (a step without drafts overlaps the next
+    launch when the gate says so; draft-free decode steps replay graphs; verify steps run eager): the tokens of
+    the synchronous, graph-free path without speculation. A batch of 16+ is "full" here: the adaptive policy
+    drafts nothing there and overlaps."""
+    from shared.engine import verify_policy
+
+    monkeypatch.setattr(verify_policy, "LOAD_FULL", 4)
+    monkeypatch.setattr(verify_policy, "LOAD_NONE", 16)
+    m = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=1)
+    ps = prompts(26, 4, lo=5, hi=200)
+    sync = Engine(m, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32, cuda_graphs=False)
+    sync.overlap = False
+    probe = run_to_completion(sync, reqs(ps[:4], 10, tag="p"))
+    stop = [probe["p0"][3], probe["p1"][5], probe["p3"][1]]
+    expected = overlap_run(sync, ps, stop)
+    spec = Engine(m, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32, speculative_tokens=3,
+                  speculative_method="ngram", speculative_policy=policy)
+    assert spec.overlap
+    assert overlap_run(spec, ps, stop) == expected
+    assert spec.spec_verifies > 0 and (spec.overlapped > 0 or policy == "fixed")
+    assert spec.runner.graphs is not None and spec.runner.graphs.graphs  # draft-free steps replayed graphs

@@ -64,3 +64,22 @@ def test_cuda_drafts_change_nothing(hub: Path) -> None:
     assert spec.spec_drafted > 0
     bf16 = run_to_completion(Engine(str(hub), device="cuda", kv_blocks=64, speculative_tokens=2), _requests())
     assert all(len(t) == 16 for t in bf16.values())
+
+
+def test_cuda_speculation_overlaps_and_replays_graphs(hub: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32, the adaptive policy under a load cut-off of 3 sequences: full-batch steps are draft-free, so they
+    overlap and replay V4's decode graphs (whose streams the MTP layer advances on), smaller ones draft; the
+    tokens are the eager, speculation-free engine's."""
+    from shared.engine import verify_policy
+
+    monkeypatch.setattr(verify_policy, "LOAD_FULL", 1)
+    monkeypatch.setattr(verify_policy, "LOAD_NONE", 3)
+    eager = run_to_completion(Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, cuda_graphs=False,
+                                     max_batch_tokens=24), _requests())
+    # a small prefill budget staggers the admissions: the batch is small (drafting) before it is full (overlap)
+    spec = Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, speculative_tokens=2,
+                  speculative_policy="adaptive", max_batch_tokens=24)
+    assert run_to_completion(spec, _requests()) == eager
+    assert spec.overlapped > 0 and spec.spec_drafted > 0
+    assert spec.runner.graphs is not None and spec.runner.graphs.graphs
+    assert not spec.kv.states

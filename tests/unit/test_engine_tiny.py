@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from shared import hashing
+from shared.engine import verify_policy
 from shared.engine.engine import Engine, EngineRequest, RequestError, run_to_completion
 from shared.engine.loader import LoadedModel, load
 from shared.models import resolve
@@ -175,18 +176,47 @@ def overlap_workload(engine: Engine, stop: list[int]) -> dict[str, list[int]]:
     return out
 
 
-def test_overlapped_steps_match_synchronous(loaded: LoadedModel) -> None:
-    """The overlapped path (one-step lag, placeholders read from the device copy of the last tokens), run on
-    the CPU here with the torch ops: the same tokens and finishes as the synchronous path."""
+@pytest.fixture(scope="module")
+def synchronous(loaded: LoadedModel) -> tuple[list[int], dict[str, list[int]]]:
+    """The overlap workload's stop tokens and its outputs on the synchronous path without speculation."""
     sync = Engine(loaded, dtype=torch.float32, kv_blocks=32)
     probe = run_to_completion(sync, [EngineRequest(f"p{i}", p, SamplingParams(temperature=0, ignore_eos=True), 12)
                                      for i, p in enumerate(PROMPTS)])
     stop = [probe["p0"][4], probe["p2"][2]]  # tokens these prompts produce mid-run: some stop early
     expected = overlap_workload(sync, stop)
     assert any(len(v) < n for v, n in ((expected["a0"], 9), (expected["a2"], 12)))  # a stop did happen
+    return stop, expected
+
+
+def test_overlapped_steps_match_synchronous(loaded: LoadedModel,
+                                            synchronous: tuple[list[int], dict[str, list[int]]]) -> None:
+    """The overlapped path (one-step lag, placeholders read from the device copy of the last tokens), run on
+    the CPU here with the torch ops: the same tokens and finishes as the synchronous path."""
+    stop, expected = synchronous
     fast = Engine(loaded, dtype=torch.float32, kv_blocks=32)
     fast.overlap = True
     assert overlap_workload(fast, stop) == expected
+    assert fast.overlapped > 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_speculative_overlapped_steps_match_synchronous(loaded: LoadedModel, policy: str,
+                                                        synchronous: tuple[list[int], dict[str, list[int]]],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt lookup with overlap on: steps with drafts resolve before the next launch, steps without overlap it
+    (a batch of 3+ is "full" here, so the adaptive policy drafts nothing there and overlaps; fixed K overlaps
+    only after passes that found nothing). Greedy and seeded rows, stops, an abort: plain decoding's tokens."""
+    monkeypatch.setattr(verify_policy, "LOAD_FULL", 1)
+    monkeypatch.setattr(verify_policy, "LOAD_NONE", 3)
+    stop, expected = synchronous
+    engine = Engine(loaded, dtype=torch.float32, kv_blocks=32, speculative_tokens=3, speculative_method="ngram",
+                    speculative_policy=policy)
+    engine.overlap = True
+    assert overlap_workload(engine, stop) == expected
+    assert engine.spec_verifies > 0  # some steps verified drafts ...
+    if policy == "adaptive":
+        assert engine.overlapped > 0  # ... and some overlapped the next launch
+    assert not engine.policy_state()
 
 
 def test_local_prefix_cache_is_shared_only_within_a_salt(checkpoint: Path) -> None:

@@ -211,6 +211,16 @@ async def test_readiness_and_worker_gauges_follow_the_heartbeats() -> None:
         assert value(parsed, "deepinfer_spec_decode_mean_accepted_length", model_name=MODEL) == 1 + 8 / 7
         assert value(parsed, "deepinfer_worker_queued_tokens", engine="prefill-0") == 30
         assert value(parsed, "deepinfer_ready") == 1 and value(parsed, "deepinfer_services", service="decode") == 2
+        # drafts per second need two beats of a worker: decode-0 proposes 30 more in the next 0.5 s (decode-2's
+        # counter went back: a restart, no rate until its next beat)
+        assert value(parsed, "deepinfer_spec_decode_draft_tokens_per_second", model_name=MODEL) is None
+        clock.t += 0.5
+        await bus.deliver(subjects.HEARTBEAT, beat("decode-0", "decode", running=3, waiting=1, free_blocks=75,
+                                                   spec_drafted=40, spec_accepted=27, spec_verifies=14))
+        await bus.deliver(subjects.HEARTBEAT, beat("decode-2", "decode", spec_drafted=2, spec_accepted=1,
+                                                   spec_verifies=1))
+        parsed = families(await (await client.get("/metrics")).text())
+        assert value(parsed, "deepinfer_spec_decode_draft_tokens_per_second", model_name=MODEL) == 60.0
 
         clock.t += 2.0  # the decode worker falls silent; everyone else keeps speaking
         await bus.deliver(subjects.PRESENCE, Presence("recipe", "recipe-0", [MODEL]))

@@ -201,7 +201,8 @@ def _without_scratch(kv: V4Cache) -> list[torch.Tensor]:
 def test_decode_graph_inputs_and_padding_give_the_forwards_step(tmp_path: Path) -> None:
     """The graph runner's body, run eagerly (no CUDA here): five rows packed into a batch bucket of 8 with
     padding rows and a context bucket past the longest row give the same logits as the model's forward on the
-    same rows, leave every real ring and entry as the forward does, and move each state's length on."""
+    same rows (and its streams), leave every real ring and entry as the forward does, and move each state's
+    length on."""
     from types import SimpleNamespace
 
     from shared.engine.models.deepseek_v4.graphs import V4DecodeGraphs
@@ -215,7 +216,8 @@ def test_decode_graph_inputs_and_padding_give_the_forwards_step(tmp_path: Path) 
     snapshot = [t.clone() for t in _tensors(kv)]
     meta, positions = st.meta(rows)
     counted = st.model.expert_counts.clone()
-    want = st.model.logits(st.model.forward(ids, positions, meta, kv))
+    streams = st.model.forward(ids, positions, meta, kv)
+    want = st.model.logits(streams)
     want_counts = st.model.expert_counts - counted  # the real rows' routing choices
     want_cache = _without_scratch(kv)
     _restore(kv, snapshot)
@@ -233,6 +235,8 @@ def test_decode_graph_inputs_and_padding_give_the_forwards_step(tmp_path: Path) 
     counted = st.model.expert_counts.clone()
     got = graphs.run(chunks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert graphs.hidden is not None  # the real rows' streams too: what the MTP drafter advances on
+    torch.testing.assert_close(graphs.hidden, streams, atol=1e-5, rtol=1e-5)
     assert int(want_counts.sum()) == len(rows) * st.model.spec.experts_per_token * st.model.spec.num_layers
     assert torch.equal(st.model.expert_counts - counted, want_counts)  # the three padding rows are not counted
     for a, b in zip(_without_scratch(kv), want_cache):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.engine import verify_policy
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.schemas.generate import SamplingParams
 from tests import v4_checkpoints
@@ -51,6 +52,34 @@ def test_drafts_never_change_the_output(checkpoint: Path, k: int, temperature: f
     assert not engine.kv.states  # every request's state (MTP ring included) is freed
 
 
+@pytest.mark.parametrize("temperature, graphs", [(0.0, False), (0.8, True)], ids=["greedy", "seeded-graphs"])
+def test_overlapped_speculation_matches_plain_decoding(checkpoint: Path, temperature: float, graphs: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """MTP drafts with overlap on, the adaptive policy (confidence floor included) under a load cut-off of 3
+    sequences: full-batch steps overlap (the MTP layer only advances), smaller ones draft and resolve first. The
+    tokens are plain decoding's, and the layer's state is consistent (every ring freed at the end). `graphs`: the
+    draft-free decode steps go through V4's decode-graph body (run eagerly on a CPU), whose streams the MTP layer
+    advances on, as a GPU's speculative engine replays them."""
+    monkeypatch.setattr(verify_policy, "LOAD_FULL", 1)
+    monkeypatch.setattr(verify_policy, "LOAD_NONE", 3)
+    plain = run_to_completion(Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24), _requests(temperature))
+    engine = Engine(str(checkpoint), kv_blocks=64, max_batch_tokens=24, speculative_tokens=3,
+                    speculative_policy="adaptive")
+    engine.overlap = True
+    replays = []
+    if graphs:
+        engine.model.attention.batched = True  # the batched torch path, as test_v4_kernels_decode runs it
+        runner = engine.runner
+        runner.graphs = engine.model.decode_graphs(engine.kv, engine.device, engine.max_tokens, (1, 2, 4),
+                                                   runner.fed)
+        run = runner.graphs.run
+        runner.graphs.run = lambda chunks: replays.append(len(chunks)) or run(chunks)
+    assert run_to_completion(engine, _requests(temperature)) == plain
+    assert engine.spec_verifies > 0 and engine.overlapped > 0
+    assert bool(replays) == graphs
+    assert not engine.kv.states and not engine.policy_state() and not engine.policy.probs
+
+
 @pytest.mark.parametrize("temperature, penalised", [(0.0, False), (0.0, True), (0.8, True)],
                          ids=["greedy", "greedy-penalised", "seeded-penalised"])
 def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path, temperature: float, penalised: bool
@@ -65,12 +94,13 @@ def test_accepted_drafts_advance_several_tokens_a_step(checkpoint: Path, tempera
     calls = {"n": 0}
     real_draft = engine.model.mtp_draft
 
-    def oracle(kv, request_id, out, position, k):
-        real_draft(kv, request_id, out, position, k)  # keep the MTP layer's own bookkeeping exercised
+    def oracle(kv, request_id, out, position, k, floor=0.0):
+        real_draft(kv, request_id, out, position, k, floor)  # keep the MTP layer's own bookkeeping exercised
         prompt = next(len(r.token_ids) for r in requests if r.request_id == request_id)
         truth = plain[request_id][position + 1 - prompt :][:k]
         calls["n"] += 1
-        return [t if (calls["n"] + i) % 3 else (t + 1) % 512 for i, t in enumerate(truth)]
+        drafts = [t if (calls["n"] + i) % 3 else (t + 1) % 512 for i, t in enumerate(truth)]
+        return drafts, [1.0] * len(drafts)
 
     engine.model.mtp_draft = oracle
     steps = 0
@@ -137,9 +167,10 @@ def test_verified_drafts_carry_the_logprobs_plain_decoding_reports(checkpoint: P
     truth = {rid: [t for t, _, _ in v] for rid, v in plain.items()}
     prompts = {r.request_id: len(r.token_ids) for r in requests()}
 
-    def oracle(kv, request_id, out, position, k):
-        real_draft(kv, request_id, out, position, k)
-        return truth[request_id][position + 1 - prompts[request_id]:][:k]
+    def oracle(kv, request_id, out, position, k, floor=0.0):
+        real_draft(kv, request_id, out, position, k, floor)
+        drafts = truth[request_id][position + 1 - prompts[request_id]:][:k]
+        return drafts, [1.0] * len(drafts)
 
     engine.model.mtp_draft = oracle
     got = run(engine)

@@ -5,13 +5,12 @@
            no weights, any model
 
 A drafter runs after a step is resolved and leaves every sequence that decodes next its drafts (seq.drafts);
-how many it may propose per sequence is the verify-length policy's (verify_policy.py), asked through `limit`.
+how many it may propose per sequence is the verify-length policy's (verify_policy.py), asked through a Budget.
 Verification is the same for every drafter (speculative.verify), so the output is plain decoding's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -19,13 +18,25 @@ import torch
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import Sequence
 
-# limit(seq, match): drafts the policy allows `seq` this step; match: the drafter's confidence in its proposal
-# (n-gram: the matched length), None when it has none before drafting (MTP: drafting itself costs a forward)
-Limit = Callable[[Sequence, "int | None"], int]
+class Budget(Protocol):
+    """What the verify-length policy allows one drafting pass (the engine's view of it for this step)."""
+
+    def limit(self, seq: Sequence, match: int | None) -> int:
+        """Drafts `seq` may propose; match: the drafter's confidence in its proposal before drafting (n-gram: the
+        matched length), None when it has none (MTP: its confidence comes with the drafts, see floor)."""
+        ...
+
+    def floor(self) -> float:
+        """MTP: a draft probability below which drafting stops (0: never early)."""
+        ...
+
+    def drafted(self, seq: Sequence, probs: list[float]) -> None:
+        """The proposed drafts' probabilities (MTP), for the policy to pair with their verification."""
+        ...
 
 
 class Drafter(Protocol):
-    def propose(self, kv: Any, plan: StepPlan, hidden: torch.Tensor | None, scheduler: Scheduler, limit: Limit
+    def propose(self, kv: Any, plan: StepPlan, hidden: torch.Tensor | None, scheduler: Scheduler, budget: Budget
                 ) -> None: ...
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.engine.drafters import Limit
+from shared.engine.drafters import Budget
 from shared.engine.scheduler import Scheduler, StepPlan
 from shared.engine.sequence import Status
 
@@ -46,13 +46,16 @@ class NgramDrafter:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_drafts, self.max_n, self.min_n = max_drafts, max_n, min_n
 
-    def propose(self, kv: Any, plan: StepPlan, hidden: torch.Tensor | None, scheduler: Scheduler, limit: Limit
+    def propose(self, kv: Any, plan: StepPlan, hidden: torch.Tensor | None, scheduler: Scheduler, budget: Budget
                 ) -> None:
-        """Drafts for every sequence the step sampled that decodes next (its tokens are all known: speculative
-        steps are synchronous, so no placeholder is left)."""
+        """Drafts for every sequence the step sampled that decodes next (its tokens are all known: the engine
+        drafts only when no step is in flight, so no placeholder is left)."""
         for c in plan.chunks:
             seq = c.seq
             if not c.sample or scheduler.seqs.get(seq.request_id) is not seq or seq.status is not Status.RUNNING:
                 continue  # a prefill chunk before its last, finished or aborted
-            drafts, match = lookup(seq.token_ids, self.max_drafts, self.max_n, self.min_n)
-            seq.drafts = drafts[: limit(seq, match)] if drafts else []
+            seq.drafts = []
+            k = budget.limit(seq, None)  # 0: no drafting this step (overlapped), so no lookup either
+            if k > 0:
+                drafts, match = lookup(seq.token_ids, self.max_drafts, self.max_n, self.min_n)
+                seq.drafts = drafts[: budget.limit(seq, match)] if drafts else []

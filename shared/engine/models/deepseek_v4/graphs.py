@@ -13,6 +13,9 @@ Rows S..B-1 are padding: position 0 in the cache's scratch slot, with a table of
 so every ring write, compressor write-back and entry they make lands where nobody reads; their logits are
 computed and dropped. The warm-up and the capture run on padding rows only, for the same reason.
 
+The graph's outputs are the step's residual streams and logits: a speculative engine's MTP layer advances on
+the streams of every step (drafters/mtp.py), so its draft-free decode steps replay graphs too.
+
 On a CPU (no graphs) `run` calls the same body eagerly: the tests check the packing and the padding there.
 """
 
@@ -58,8 +61,10 @@ class V4DecodeGraphs:
         self.staging = PinnedStaging(device)
         widest = self.sizes[-1] * (FIELDS + self.contexts[-1] // self.bt)
         self.inputs = torch.zeros(widest, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (B, C) -> graph, logits
+        # (B, C) -> graph, (streams, logits)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool: Any = None
+        self.hidden: torch.Tensor | None = None  # the last step's streams (S, hc, D)
 
     @property
     def max_batch(self) -> int:
@@ -79,14 +84,15 @@ class V4DecodeGraphs:
         n = self._pack(chunks, states, B, C)
         self.staging.to_device(n, self.inputs.view(torch.int32))
         if not self.capture:
-            logits = self._forward(B, C)
+            streams, logits = self._forward(B, C)
         else:
             if (B, C) not in self.graphs:
                 self.graphs[B, C] = self._capture(B, C, n)
-            graph, logits = self.graphs[B, C]
+            graph, (streams, logits) = self.graphs[B, C]
             graph.replay()
         for c, state in zip(chunks, states):
             state.length = c.start + 1
+        self.hidden = streams[:S]
         return logits[:S]
 
     def _pack(self, chunks: list, states: list, B: int, C: int) -> int:
@@ -122,12 +128,12 @@ class V4DecodeGraphs:
         table = self.inputs[FIELDS * B : B * (FIELDS + NB)].view(B, NB)
         return ids, DecodeBatch(slots, pos, begins, frozen, table, C)
 
-    def _forward(self, B: int, C: int) -> torch.Tensor:
+    def _forward(self, B: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, batch = self._batch(B, C)
         streams = self.model.layers_forward(ids, batch.positions, None, [], self.kv, batch, self.fed)
-        return self.model.logits(streams)  # (B, V)
+        return streams, self.model.logits(streams)  # (B, hc, D), (B, V)
 
-    def _capture(self, B: int, C: int, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, B: int, C: int, n: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # The inputs hold this step's real batch; the warm-up (which compiles and tunes the kernels) and the
         # capture both run the forward, so they run it on padding rows only: nothing real is written.
         saved = self.inputs[: n // 2].clone()

@@ -154,5 +154,6 @@ class DeepseekV4:
                     ) -> torch.Tensor | None:
         return mtp.advance(self, kv, request_id, start, streams, next_tokens)
 
-    def mtp_draft(self, kv: V4Cache, request_id: str, out: torch.Tensor, position: int, k: int) -> list[int]:
-        return mtp.draft(self, kv, request_id, out, position, k)
+    def mtp_draft(self, kv: V4Cache, request_id: str, out: torch.Tensor, position: int, k: int,
+                  floor: float = 0.0) -> tuple[list[int], list[float]]:
+        return mtp.draft(self, kv, request_id, out, position, k, floor)

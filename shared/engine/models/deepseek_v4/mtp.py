@@ -46,18 +46,29 @@ def advance(model: DeepseekV4, kv: V4Cache, request_id: str, start: int, streams
     return None if out is None or n == rows.shape[0] - 1 else out[-1]
 
 
-def draft(model: DeepseekV4, kv: V4Cache, request_id: str, out: torch.Tensor, position: int, k: int) -> list[int]:
-    """k greedy draft tokens from the MTP output streams `out` (hc, D) of the pair at `position - 1`."""
+def draft(model: DeepseekV4, kv: V4Cache, request_id: str, out: torch.Tensor, position: int, k: int,
+          floor: float = 0.0) -> tuple[list[int], list[float]]:
+    """Up to k greedy draft tokens from the MTP output streams `out` (hc, D) of the pair at `position - 1`, and
+    each one's probability under the draft layer (its confidence); drafting stops before a draft below `floor`
+    (verify_policy.confidence_cut), so a doubtful tail costs no further MTP block."""
     m = model.weights.mtp
     assert m is not None
     drafts: list[int] = []
+    probs: list[float] = []
     for step in range(k):
-        token = int(model.head_logits(out[None], m.hc_head, m.norm).argmax(-1))
+        p, token = torch.softmax(model.head_logits(out[None], m.hc_head, m.norm)[0], -1).max(-1)
+        p, token = float(p), int(token)  # one host read per draft (drafting is host-driven anyway)
+        if p < floor:  # verify_policy.confidence_cut: the first doubtful draft ends drafting, kept only if first
+            if not drafts:
+                drafts.append(token)
+                probs.append(p)
+            break
         drafts.append(token)
+        probs.append(p)
         if step + 1 < k:
             out = block(model, kv, request_id, out[None], torch.tensor([token], device=out.device),
                         position + step)[-1]
-    return drafts
+    return drafts, probs
 
 
 def block(model: DeepseekV4, kv: V4Cache, request_id: str, h: torch.Tensor, tokens: torch.Tensor, first: int
