@@ -35,8 +35,11 @@ $(TEST_STAMP): $(STAMP)
 run: install
 	$(VENV)/bin/deepinfer up $(ARGS)
 
+# The unit and oracle tests run on both cores (pytest-xdist, each file on one worker); the
+# integration tests start meshes of their own processes and timed heartbeats, so they run one at a time.
 test: install-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests/unit tests/oracle tests/gpu
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/integration
 
 bench: install
 	$(PY) bench/mesh_overhead.py
