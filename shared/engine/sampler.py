@@ -91,8 +91,10 @@ def hashed_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     col = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
     h = _fmix32(((col * 0x9E3779B1) & _M32) ^ lo)
     h = _fmix32(h ^ hi)
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
-    return -torch.log(u)
+    # (0, 1), 24 bits, in float64: in float32 the top value (2^24 - 0.5) / 2^24 rounds to 1, whose noise -log(1) is
+    # -0.0, and a masked token's 0 / -0.0 is NaN, which argmax picks (a grammar-masked token sampled on a GPU)
+    u = ((h >> 8).double() + 0.5) * (1.0 / (1 << 24))
+    return (-torch.log(u)).float()
 
 
 def sample_on_device(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int],

@@ -282,3 +282,17 @@ def test_a_reasoning_budget_without_its_end_token_is_refused() -> None:
         sampling_spec(SamplingParams(reasoning_budget=4))
     spec = sampling_spec(SamplingParams(seed=1, reasoning_budget=4, reasoning_end=7))
     assert (spec.reasoning_budget, spec.reasoning_end, spec.processed) == (4, 7, True)
+
+
+def test_the_device_sampler_never_draws_a_masked_token() -> None:
+    """A grammar masks all but a few tokens (-inf). The device path's noise must be > 0 everywhere: a column
+    whose uniform rounded to 1 in float32 had noise -0.0, a masked token's 0 / -0.0 was NaN, and argmax took it
+    (found on the H200: a JSON-schema request sampled token 33561 outside its grammar, seed 7, position 4)."""
+    vocab, key = 49152, draw_key(7, 4)
+    noise = hashed_exponential(torch.tensor([key]), vocab)[0]
+    assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())
+    logits = torch.full((1, vocab), float("-inf"))
+    allowed = [5, 901, 17000, 40000]
+    logits[0, allowed] = torch.tensor([0.1, 1.2, 1.5, -0.4])
+    spec = SamplingSpec(0.8, 0, 1.0, 7)
+    assert int(sample_on_device(logits, [spec], [4])[0]) in allowed
