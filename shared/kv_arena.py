@@ -234,6 +234,28 @@ def range_lock(fd: int, kind: int, offset: int, nbytes: int) -> bool:
     return True
 
 
+def map_read_only(path: str, token: bytes, prefix: str) -> tuple[Path, int, mmap.mmap] | None:
+    """Another process's shared-memory file (an arena, the store's heap) mapped read-only, with the descriptor its
+    read locks go on: only a file of ours (`prefix` under /dev/shm) whose owner is alive and whose header shows
+    `token`; None otherwise (another host's, gone, or replaced)."""
+    p = Path(path)
+    if p.parent != SHM_DIR or not p.name.startswith(prefix) or not owner_alive(p):
+        return None
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size > HEADER else None
+    except OSError:
+        mapped = None
+    if mapped is None or mapped[:TOKEN_BYTES] != token:
+        os.close(fd)
+        return None
+    return p, fd, mapped
+
+
 class PeerMap:
     """A reader's map of another worker's arena (a decode worker mapping a prefill worker's), with the descriptor
     its read locks are on; the descriptor closes when the map is dropped and no view of it is left."""
@@ -246,22 +268,8 @@ class PeerMap:
     @classmethod
     def open(cls, path: str, token: bytes) -> PeerMap | None:
         """The arena at `path` mapped read-only, if it is an arena, its token matches and its owner is alive."""
-        p = Path(path)
-        if p.parent != SHM_DIR or not p.name.startswith(PREFIX) or not owner_alive(p):
-            return None
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            return None  # another host's arena, or gone
-        try:
-            size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size > HEADER else None
-        except OSError:
-            mapped = None
-        if mapped is None or mapped[:TOKEN_BYTES] != token:
-            os.close(fd)
-            return None
-        return cls(p, fd, mapped)
+        found = map_read_only(path, token, PREFIX)
+        return None if found is None else cls(*found)
 
     def current(self, token: bytes) -> bool:
         """Whether this map is still of the live arena at its path with `token` (not a replaced or dead one)."""

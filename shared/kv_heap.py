@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.kv_arena import HEADER, SHM_DIR, TOKEN_BYTES, owner_alive, range_lock
+from shared.kv_arena import HEADER, SHM_DIR, map_read_only, owner_alive, range_lock
 
 PREFIX = "deepinfer-kvheap-"
 ALIGN = 256  # every blob starts at a multiple of this (cache lines; DMA-friendly runs)
@@ -86,21 +86,10 @@ class HeapMap:
     @classmethod
     def open(cls, path: str, token: bytes) -> HeapMap | None:
         """The heap at `path` mapped read-only, if it is a heap of a live store and shows `token`."""
-        p = Path(path)
-        if p.parent != SHM_DIR or not p.name.startswith(PREFIX) or not owner_alive(p):
+        found = map_read_only(path, token, PREFIX)
+        if found is None:
             return None
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            return None  # another host's, or gone
-        try:
-            size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size > HEADER else None
-        except OSError:
-            mapped = None
-        if mapped is None or mapped[:TOKEN_BYTES] != token:
-            os.close(fd)
-            return None
+        p, fd, mapped = found
         return cls(p, token, fd, mapped)
 
     def names(self, path: str, token: bytes) -> bool:
