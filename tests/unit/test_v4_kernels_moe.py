@@ -101,7 +101,7 @@ def test_fused_matches_torch(T: int, with_shared: bool) -> None:
 
 def test_config_by_rows_per_expert() -> None:
     assert config(7, 257).block_m == 16  # decode at batch 1
-    assert config(16384 * 7, 257).block_m == 64  # a 16K prefill chunk
+    assert config(16384 * 7, 257).block_m == 128  # a 16K prefill chunk
 
 
 def test_repeated_expert_in_a_row_and_no_rows() -> None:

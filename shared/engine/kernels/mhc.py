@@ -54,3 +54,60 @@ def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: in
     if T:
         _hc_weights_kernel[(T,)](mix.contiguous(), base, scale, pre, post, comb, eps, N=n, ITERS=iters)
     return pre, post, comb
+
+
+# --- the streams' collapse and expansion: pure bandwidth, a (row, channel tile) per program -------------------
+# torch.compile with dynamic shapes made the collapse a reduction of one program per row and the expansion a
+# batched 4 x 4 GEMM per token (cuBLAS, 8K batches of it): 2.5 ms each per layer at an 8K prefill chunk, where
+# the bytes take ~0.1 ms.
+
+
+@triton.jit
+def _collapse_kernel(pre_ptr, s_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = c < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(N):
+        w = tl.load(pre_ptr + t * N + j)
+        acc += w * tl.load(s_ptr + (t * N + j) * D + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _expand_kernel(o_ptr, post_ptr, comb_ptr, s_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = c < D
+    o = tl.load(o_ptr + t * D + c, mask=ok, other=0.0).to(tl.float32)
+    for k in tl.static_range(N):
+        acc = tl.load(post_ptr + t * N + k) * o
+        for j in tl.static_range(N):
+            w = tl.load(comb_ptr + (t * N + j) * N + k)  # comb[t, j, k]: stream j's share in new stream k
+            acc += w * tl.load(s_ptr + (t * N + j) * D + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (t * N + k) * D + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+BLOCK_D = 1024
+
+
+def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """pre (T, n) float32, streams (T, n, D) -> sum_j pre[:, j] streams[:, j]: (T, D) in streams' dtype."""
+    T, n, D = streams.shape
+    out = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
+    if T:
+        _collapse_kernel[(T, triton.cdiv(D, BLOCK_D))](pre.float().contiguous(), streams.contiguous(), out, D,
+                                                      N=n, BLOCK_D=BLOCK_D)
+    return out
+
+
+def hc_expand(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The block output out (T, D) into the streams (T, n, D): new_k = post_k out + sum_j comb[:, j, k] s_j,
+    accumulated in float32, rounded once to streams' dtype."""
+    T, n, D = streams.shape
+    new = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    if T:
+        _expand_kernel[(T, triton.cdiv(D, BLOCK_D))](out.contiguous(), post.float().contiguous(),
+                                                    comb.float().contiguous(), streams.contiguous(), new, D,
+                                                    N=n, BLOCK_D=BLOCK_D)
+    return new

@@ -23,7 +23,7 @@ from shared.engine.kernels import HAVE_TRITON
 from shared.engine.models.deepseek_v4 import decode
 from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
 from shared.engine.models.deepseek_v4.mhc import rms
-from shared.engine.models.deepseek_v4.rope import Rotary, rotate
+from shared.engine.models.deepseek_v4.rope import Rotary, rotate_
 from shared.engine.models.deepseek_v4.spec import SLIDING, DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import Compressor, Layer
 from shared.engine.quant import Weight, linear
@@ -74,7 +74,7 @@ class Attention:
             ix = layer.indexer
             ic = ix.compressor
             cq, sq = angles["compress"]
-            iq = rotate(linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
+            iq = rotate_(linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
             idx = (linear(x, ic.wkv), linear(x, ic.wgate), iq, linear(x, ix.weights_proj))
         if batch is not None:
             out = decode.attend(self, i, layer, batch, kv, q, k, comp, idx, self.triton)
@@ -180,7 +180,7 @@ class Attention:
             weights = torch.softmax(gw, dim=1).to(kvw.dtype)
             entry = rms((kvw * weights).sum(1), c.norm, self.spec.rms_eps)  # (windows, d)
             wpos = torch.arange(lo_win, hi_win, device=device) * m
-            entry = rotate(entry, *self.rope_compress.angles(wpos))
+            entry = rotate_(entry, *self.rope_compress.angles(wpos))
             table = span.block_table
             bt = kv.block_tokens
             blocks = table[(wpos // bt).long()]
@@ -200,8 +200,8 @@ def query_key(x: torch.Tensor, wq_a: Weight, q_norm: torch.Tensor, wq_b: Weight,
     token's rotated key = value (T, d)."""
     T = x.shape[0]
     q_res = rms(linear(x, wq_a), q_norm, eps)
-    q = rotate(rms(linear(q_res, wq_b).view(T, heads, -1), None, eps), cos, sin)
-    k = rotate(rms(linear(x, wkv), kv_norm, eps), cos, sin)
+    q = rotate_(rms(linear(q_res, wq_b).view(T, heads, -1), None, eps), cos, sin)
+    k = rotate_(rms(linear(x, wkv), kv_norm, eps), cos, sin)
     return q_res, q, k
 
 
@@ -209,7 +209,7 @@ def output(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: Weight
            groups: int) -> torch.Tensor:
     """(T, H, d) attention output, still rotated -> (T, D): undo the rotation V carried (at the query's
     position), then per group of heads wo_a, then wo_b over the groups."""
-    out = rotate(out, cos, -sin)
+    out = rotate_(out, cos, -sin)
     T, H, d = out.shape
     if isinstance(wo_a, torch.Tensor):
         grouped = torch.bmm(out.reshape(T, groups, -1).transpose(0, 1), wo_a.view(groups, -1, d * H // groups)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.fusion import fused
 from shared.engine.kernels import HAVE_TRITON
 from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec
 from shared.engine.models.deepseek_v4.weights import HcParams
 
 if HAVE_TRITON:
     from shared.engine.kernels.fused import add_rms_norm
-    from shared.engine.kernels.mhc import hc_weights
+    from shared.engine.kernels.mhc import hc_collapse, hc_expand, hc_weights
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -47,15 +46,19 @@ def hc_pre(s: DeepseekV4Spec, streams: torch.Tensor, hc: HcParams, triton: bool
     return post, comb, collapse(pre, streams)
 
 
-@fused
 def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """The streams (T, hc, D) weighted by pre (T, hc) and summed: the block input (T, D)."""
+    """The streams (T, hc, D) weighted by pre (T, hc) and summed: the block input (T, D). On CUDA one Triton
+    launch (kernels/mhc.py: compiled with dynamic shapes it ran a program per row, 2.5 ms at an 8K chunk)."""
+    if streams.is_cuda and HAVE_TRITON:
+        return hc_collapse(pre, streams)
     return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
 
 
-@fused
 def hc_post(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """Expand the block output into the streams and mix the residual: out_k post_k + sum_j comb[j, k] s_j."""
+    """Expand the block output into the streams and mix the residual: out_k post_k + sum_j comb[j, k] s_j. On
+    CUDA one Triton launch, in float32 (compiled, the mix was a batched 4 x 4 GEMM per token)."""
+    if streams.is_cuda and HAVE_TRITON:
+        return hc_expand(out, post, comb, streams)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dt).transpose(-1, -2) @ streams
 

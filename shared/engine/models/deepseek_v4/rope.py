@@ -14,6 +14,11 @@ from typing import Any
 import torch
 
 from shared.engine.fusion import fused
+from shared.engine.kernels import HAVE_TRITON
+
+if HAVE_TRITON:
+    from shared.engine.kernels.v4_rope import rotate_ as rotate_rows_
+    from shared.engine.kernels.v4_rope import rows_view
 
 
 def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -50,15 +55,30 @@ class Rotary:
         return freqs.cos(), freqs.sin()
 
 
-@fused
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing 2 * cos.shape[-1] channels of x (N, ..., D) in interleaved pairs; cos/sin (N, dim/2).
-
-    Pass -sin to undo a rotation (V4 un-rotates the attention output at the query's position)."""
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x's trailing 2 * cos.shape[-1] channels rotated in interleaved pairs, in x's dtype."""
     half = cos.shape[-1]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     c, s = cos.view(shape), sin.view(shape)
     rope = x[..., -2 * half :].float().unflatten(-1, (half, 2))
     a, b = rope[..., 0], rope[..., 1]
-    rotated = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., : -2 * half], rotated), dim=-1)
+    return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
+
+
+@fused
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x (N, ..., D) in interleaved pairs; cos/sin (N, dim/2).
+
+    Pass -sin to undo a rotation (V4 un-rotates the attention output at the query's position). Pure: for
+    functions fused as a whole (fusion.py); a fresh tensor that may change in place takes `rotate_`."""
+    return torch.cat((x[..., : -2 * cos.shape[-1]], _rotated(x, cos, sin)), dim=-1)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` in place, returning x: only the rotated channels are read and written (on CUDA one Triton
+    launch, kernels/v4_rope.py). x must be the caller's own tensor (a fresh projection or attention output)."""
+    half = cos.shape[-1]
+    if x.is_cuda and HAVE_TRITON and half & (half - 1) == 0 and x.stride(-1) == 1 and rows_view(x) is not None:
+        return rotate_rows_(x, cos, sin)
+    x[..., -2 * half :] = _rotated(x, cos, sin)
+    return x
