@@ -122,3 +122,16 @@ def test_up_passes_dummy_to_the_workers_and_its_preflight_needs_no_weights(confi
         check_model(str(config_only))
     with pytest.raises(SystemExit):
         cli_up.parse(["--load-format", "random"])
+
+
+def test_expert_parallel_ranks_draw_the_same_dummy_weights(config_only: Path) -> None:
+    """The spawned rank draws its half of the routed experts itself, by name: greedy tokens equal one process's."""
+    prompt = [(11 * t + 5) % 512 for t in range(40)]
+    one = Engine(str(config_only), load_format="dummy", kv_blocks=8)
+    want = run_to_completion(one, [EngineRequest("r", prompt, GREEDY, 4)])["r"]
+    spread = Engine(str(config_only), load_format="dummy", kv_blocks=8, expert_parallel=2)
+    try:
+        assert spread.expert_ranks == 2 and spread.cache_id == one.cache_id
+        assert run_to_completion(spread, [EngineRequest("r", prompt, GREEDY, 4)])["r"] == want
+    finally:
+        spread.close()
