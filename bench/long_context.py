@@ -3,6 +3,7 @@
     python bench/long_context.py --build flash --layers 8 --experts 32 --prompt-tokens 77000 \
         --out bench/results/<date>-long-context-h200.md          # on the GPU machine
     python bench/long_context.py --build tiny --prompt-tokens 3000  # a CPU smoke run (minutes)
+    python bench/long_context.py --build flash --layers 43 --experts 8 --load-format dummy --prompt-tokens 77000
 
 Starts `deepinfer up --model DIR` (one prefill and one decode worker, the kvcache service with its RAM and SSD
 tiers) on a free port and drives it over HTTP with streamed completions of raw token ids (greedy, ignore_eos),
@@ -21,7 +22,12 @@ and decode tokens/s per stream with `streams` follow-up turns of A streaming at 
 --build tiny is tests/v4_checkpoints' served checkpoint (4K context); --build flash is transformers'
 DeepseekV4Config defaults (V4-Flash's widths and layer schedule) cut to --layers layers and --experts routed
 experts, random bf16 weights made on the GPU and saved once under --work (about 2.2 GB per layer at 32
-experts). Ratios between paths matter more than absolute times on a shared machine.
+experts). With --load-format dummy only the model's config.json is written (a directory named ...-dummy, so
+its served name says so) and the workers draw random weights themselves (`deepinfer up --load-format dummy`):
+the 43-layer model, whose checkpoint would not fit the GPU machine's disk (~78 GiB at 32 experts), runs as
+`--build flash --layers 43 --experts 8 --load-format dummy` (~30 GiB of bf16 weights per worker: the prefill
+and the decode worker each hold a copy on the one GPU). Ratios between paths matter more than absolute times
+on a shared machine.
 """
 
 from __future__ import annotations
@@ -57,20 +63,27 @@ def log(msg: str) -> None:
 # --- the model directory ----------------------------------------------------------------------------------------
 
 
+def flash_config(layers: int, experts: int, context: int):
+    """V4-Flash's widths and layer schedule (transformers' defaults), `layers` deep with `experts` routed experts."""
+    from transformers import DeepseekV4Config
+
+    base = DeepseekV4Config()
+    return DeepseekV4Config(
+        num_hidden_layers=layers, layer_types=base.layer_types[:layers], mlp_layer_types=base.mlp_layer_types[:layers],
+        n_routed_experts=experts, max_position_embeddings=context, torch_dtype="bfloat16",
+    )
+
+
 def build_flash(root: Path, layers: int, experts: int, context: int) -> Path:
-    """V4-Flash's widths and layer schedule (transformers' defaults), `layers` deep with `experts` routed experts,
-    random weights at init scale; sinks, biases and the hash table drawn as tests/v4_checkpoints does."""
+    """flash_config's model with random weights at init scale; sinks, biases and the hash table drawn as
+    tests/v4_checkpoints does."""
     import torch
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from transformers import DeepseekV4ForCausalLM
 
     path = root / f"DeepSeek-V4-Flash-{layers}L-{experts}E"
     if (path / "config.json").exists():
         return path
-    base = DeepseekV4Config()
-    config = DeepseekV4Config(
-        num_hidden_layers=layers, layer_types=base.layer_types[:layers], mlp_layer_types=base.mlp_layer_types[:layers],
-        n_routed_experts=experts, max_position_embeddings=context, torch_dtype="bfloat16",
-    )
+    config = flash_config(layers, experts, context)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
@@ -98,6 +111,21 @@ def build_tiny(root: Path) -> Path:
     from tests import v4_checkpoints
 
     return v4_checkpoints.build_served(root)
+
+
+def write_config(root: Path, build: str, layers: int, experts: int, context: int) -> Path:
+    """--load-format dummy: the model directory is its config.json alone (the packaged V4 tokenizer serves it),
+    under a name that says the weights are dummy (the served name, so no result table passes for a real one).
+    `context`: the flash model's (the tiny one has its own 4K)."""
+    from tests import v4_checkpoints
+
+    if build == "flash":
+        config, name = flash_config(layers, experts, context), f"DeepSeek-V4-Flash-{layers}L-{experts}E"
+    else:
+        config, name = v4_checkpoints.served_config(), v4_checkpoints.SERVED_NAME
+    path = root / f"{name}-dummy"
+    config.save_pretrained(path)  # config.json only: no weights, nothing else the stack reads
+    return path
 
 
 # --- the client -------------------------------------------------------------------------------------------------
@@ -250,6 +278,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a V4 checkpoint directory (else --build)")
     p.add_argument("--build", choices=("tiny", "flash"), default="tiny")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: write only --build's config.json; the workers draw random weights (no checkpoint)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "deepinfer-long-context")
@@ -266,6 +296,8 @@ def main() -> int:
     context = args.prompt_tokens + args.max_tokens + 1024
     if args.model:
         model_dir = args.model
+    elif args.load_format == "dummy":
+        model_dir = write_config(args.work, args.build, args.layers, args.experts, max(context, 131072))
     elif args.build == "flash":
         log(f"building a V4-Flash-width checkpoint: {args.layers} layers, {args.experts} experts")
         model_dir = build_flash(args.work, args.layers, args.experts, max(context, 131072))
@@ -273,7 +305,9 @@ def main() -> int:
         model_dir = build_tiny(args.work)
     log(f"model {model_dir}")
     state = Path(tempfile.mkdtemp(prefix="long-context-", dir=args.work))
-    mesh = start_mesh(state, "--model", str(model_dir), "--max-model-len", str(context), *args.up, timeout=1200)
+    dummy = ["--load-format", "dummy"] if args.load_format == "dummy" else []
+    mesh = start_mesh(state, "--model", str(model_dir), "--max-model-len", str(context), *dummy, *args.up,
+                      timeout=1200)
     started = time.monotonic()
     try:
         block = int(orjson.loads((model_dir / "config.json").read_text()).get("compress_rates", {})

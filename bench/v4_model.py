@@ -14,10 +14,11 @@ Layer schedule as V4-Flash's compress_ratios: two sliding-window layers, then CS
 alternating, CSA first (the 8-layer shape takes the first 8). Both models come from one transformers
 DeepseekV4Config, ours through the loader's own parse_spec, so they agree on every dimension.
 
-Weights: each tensor is drawn from a generator seeded by its name (`RandomWeights`), on the GPU, when the model
-asks for it, so neither model ever holds a second copy and both get the same numbers: ours stacks the experts as
-it loads; transformers' model is built empty in bf16 and filled through the hub-name views of
-tests/v4_checkpoints.hub_state_dict. The two models are never resident together (ours is freed first).
+Weights: each tensor is drawn from a generator seeded by its name (shared/engine/loader/dummy.py's
+`RandomWeights`, what `--load-format dummy` serves), on the GPU, when the model asks for it, so neither model
+ever holds a second copy and both get the same numbers: ours stacks the experts as it loads; transformers' model
+is built empty in bf16 and filled through the hub-name views of tests/v4_checkpoints.hub_state_dict. The two
+models are never resident together (ours is freed first).
 
 Ours, through the Engine (scheduler, sampling and overlapped steps in the measurement): decode at batch B with a
 `ctx`-token context per sequence: the contexts are random cache contents (the compressed entries of every block
@@ -52,6 +53,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import math
 import sys
 import time
 import zlib
@@ -70,9 +72,11 @@ from shared.engine.config import ModelConfig  # noqa: E402
 from shared.engine.engine import Engine, EngineRequest, run_to_completion  # noqa: E402
 from shared.engine.kv_quant import KV_CACHE_DTYPES, kv_dtype  # noqa: E402
 from shared.engine.loader import LoadedModel  # noqa: E402
-from shared.engine.loader.deepseek_v4 import _expected, parse_spec  # noqa: E402
+from shared.engine.loader import deepseek_v4  # noqa: E402
+from shared.engine.loader.deepseek_v4 import parse_spec  # noqa: E402
+from shared.engine.loader.dummy import RandomWeights, v4_table  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
-from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec  # noqa: E402
+from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec  # noqa: E402
 from shared.engine.sequence import Status  # noqa: E402
 from shared.schemas.generate import SamplingParams  # noqa: E402
 
@@ -117,84 +121,7 @@ def hf_config(layers: int, experts: int, tiny: bool) -> Any:
 
 
 def model_config(spec: DeepseekV4Spec) -> ModelConfig:
-    return ModelConfig(arch="deepseek_v4", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                       num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=1, head_dim=spec.head_dim,
-                       intermediate_size=spec.moe_intermediate, rope_theta=spec.rope_theta, rms_eps=spec.rms_eps,
-                       max_position=spec.max_position, tie_embeddings=False, bos_id=0, eos_ids=(1,), spec=spec)
-
-
-def shapes(s: DeepseekV4Spec) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor the loader takes (hub names): its shape and how it is drawn ("lin": N(0, 1/fan_in);
-    "norm": ~1; "bias": small; "ape": N(0, 1); "embed"; "tid2eid": expert ids)."""
-    D, Hh, d, hc, I = s.hidden_size, s.num_heads, s.head_dim, s.hc_mult, s.moe_intermediate
-    mix = (2 + hc) * hc
-    out: dict[str, tuple[tuple[int, ...], str]] = {
-        "embed.weight": ((s.vocab_size, D), "embed"), "head.weight": ((s.vocab_size, D), "lin"),
-        "norm.weight": ((D,), "norm"), "hc_head_fn": ((hc, hc * D), "lin"), "hc_head_base": ((hc,), "bias"),
-        "hc_head_scale": ((1,), "norm")}
-    for i, (kind, m) in enumerate(zip(s.kinds, s.ratios)):
-        p, a, f = f"layers.{i}.", f"layers.{i}.attn.", f"layers.{i}.ffn."
-        for part in ("hc_attn", "hc_ffn"):
-            out |= {f"{p}{part}_fn": ((mix, hc * D), "lin"), f"{p}{part}_base": ((mix,), "bias"),
-                    f"{p}{part}_scale": ((3,), "norm")}
-        out |= {p + "attn_norm.weight": ((D,), "norm"), p + "ffn_norm.weight": ((D,), "norm"),
-                a + "wq_a.weight": ((s.q_lora_rank, D), "lin"), a + "q_norm.weight": ((s.q_lora_rank,), "norm"),
-                a + "wq_b.weight": ((Hh * d, s.q_lora_rank), "lin"), a + "wkv.weight": ((d, D), "lin"),
-                a + "kv_norm.weight": ((d,), "norm"),
-                a + "wo_a.weight": ((s.o_groups * s.o_lora_rank, Hh * d // s.o_groups), "lin"),
-                a + "wo_b.weight": ((D, s.o_groups * s.o_lora_rank), "lin"), a + "attn_sink": ((Hh,), "bias")}
-        compressors = [] if kind == SLIDING else [(a + "compressor.", 2 * d if kind == CSA else d, d)]
-        if kind == CSA:
-            compressors.append((a + "indexer.compressor.", 2 * s.index_head_dim, s.index_head_dim))
-            out |= {a + "indexer.wq_b.weight": ((s.index_heads * s.index_head_dim, s.q_lora_rank), "lin"),
-                    a + "indexer.weights_proj.weight": ((s.index_heads, D), "lin")}
-        for c, width, normed in compressors:
-            out |= {c + "wkv.weight": ((width, D), "lin"), c + "wgate.weight": ((width, D), "lin"),
-                    c + "ape": ((m, width), "ape"), c + "norm.weight": ((normed,), "norm")}
-        out[f + "gate.weight"] = ((s.num_experts, D), "lin")
-        if i < s.hash_layers:
-            out[f + "gate.tid2eid"] = ((s.vocab_size, s.experts_per_token), "tid2eid")
-        else:
-            out[f + "gate.bias"] = ((s.num_experts,), "bias")
-        for e in [*(f"experts.{j}" for j in range(s.num_experts)), "shared_experts"]:
-            out |= {f"{f}{e}.w1.weight": ((I, D), "lin"), f"{f}{e}.w3.weight": ((I, D), "lin"),
-                    f"{f}{e}.w2.weight": ((D, I), "lin")}
-    return out
-
-
-class RandomWeights(Mapping[str, torch.Tensor]):
-    """The model's tensors, each drawn when asked for from a generator seeded by its name (fp32 on `device`;
-    the loader casts): the same numbers for whoever asks, and nothing kept."""
-
-    def __init__(self, spec: DeepseekV4Spec, device: torch.device, seed: int = 0) -> None:
-        self.spec, self.device, self.seed = spec, device, seed
-        self.table = shapes(spec)
-        required, _ = _expected(spec)
-        assert required <= self.table.keys(), sorted(required - self.table.keys())[:5]
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        shape, how = self.table[name]
-        g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        if how == "tid2eid":
-            return torch.randint(0, self.spec.num_experts, shape, generator=g, device=self.device)
-        x = torch.randn(shape, generator=g, device=self.device)
-        if how == "lin":
-            return x * shape[-1] ** -0.5
-        if how == "embed":
-            return x
-        return {"norm": x * 0.1 + 1.0, "bias": x * 0.1, "ape": x}[how]
-
-    def __contains__(self, name: object) -> bool:  # Mapping's default would draw the tensor to find out
-        return name in self.table
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.table)
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def nbytes(self, elem: int) -> int:
-        return sum(_numel(shape) for shape, _ in self.table.values()) * elem
+    return deepseek_v4.model_config({}, spec)  # config.json's defaults: untied head, bos 0, eos 1
 
 
 def quantized_kind(name: str) -> str | None:
@@ -230,14 +157,7 @@ class QuantizedWeights(Mapping[str, Any]):
 
     def nbytes(self, elem: int) -> int:
         per = {"fp8": FP8_BYTES, "fp4": FP4_BYTES, None: elem}
-        return int(sum(_numel(shape) * per[quantized_kind(n)] for n, (shape, _) in self.dense.table.items()))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
+        return int(sum(math.prod(d.shape) * per[quantized_kind(n)] for n, d in self.dense.table.items()))
 
 
 # --- floors ---------------------------------------------------------------------------------------------------
@@ -448,7 +368,7 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
               dtype: torch.dtype, bw: float, flops: float, quantized: bool = False) -> tuple[list[dict], str]:
     config = hf_config(layers, experts, args.tiny)
     spec = parse_spec(config.to_dict())
-    dense = RandomWeights(spec, device)
+    dense = RandomWeights(v4_table(spec), device)
     weights: Any = QuantizedWeights(dense) if quantized else dense
     costs = ModelCosts(spec, dtype.itemsize, quantized)
     bf16_costs = ModelCosts(spec, dtype.itemsize)

@@ -291,6 +291,13 @@ SERVED: dict[str, Any] = dict(
 )
 
 
+def served_config():
+    """The served checkpoint's transformers config (what build_served saves as its config.json)."""
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(**{**BASE, **CONFIGS["mixed"], **SERVED})
+
+
 def build_served(root: Path, seed: int = 0) -> Path:
     """A servable tiny checkpoint at `root / SERVED_NAME` (config.json + safetensors, no tokenizer.json: it is
     served with the packaged V4 tokenizer); returns its directory."""

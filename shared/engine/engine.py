@@ -150,6 +150,7 @@ class Engine:
         deterministic: bool = False,
         expert_parallel: int = 1,
         kv_cache_dtype: str = "auto",
+        load_format: str = "auto",
     ) -> None:
         """kernels: "torch" | "triton" | "auto" (Triton on a GPU when installed); cuda_graphs: replay decode
         steps from CUDA graphs (Triton kernels on a GPU only); speculative_tokens: at most this many drafts per
@@ -169,14 +170,17 @@ class Engine:
         expert_parallel: ranks the routed experts are spread over (parallel/servers.py: this process is rank 0
         and runs everything else, the others are spawned processes; DeepSeek-V4 only, without CUDA graphs);
         kv_cache_dtype: "auto" (the model's dtype), "bf16", or "fp8" (e4m3 rows with float32 scales, kv_quant.py;
-        DeepSeek-V4 only so far: about half the bytes per block, twice the tokens of context in the pool)."""
+        DeepSeek-V4 only so far: about half the bytes per block, twice the tokens of context in the pool);
+        load_format: "auto" reads the checkpoint's weights, "dummy" only its config.json and draws random weights
+        on `device` (loader/dummy.py: DeepSeek-V4 and Llama-family checkpoint directories; the cache id says so)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
         self.device = torch.device(device)
         keep = quantization == "auto" and self.device.type == "cuda"
         # A LoadedModel lets several engines in one process share the host copy of the weights (tests, benches).
         loaded = model if isinstance(model, LoadedModel) else load(
-            resolve(model) if isinstance(model, str) else model, keep_quantized=keep)
+            resolve(model) if isinstance(model, str) else model, keep_quantized=keep, load_format=load_format,
+            device=self.device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.config: ModelConfig = loaded.config
         self.ops = select_ops(self.device, _kernels(kernels, deterministic, self.device))
@@ -196,7 +200,8 @@ class Engine:
             # the Llama family's Triton kernels (fused RoPE write, paged attention) read and write bf16 pages
             raise ValueError(f"--kv-cache-dtype fp8 for {loaded.config.arch} models needs the torch kernels "
                              "(--kernels torch) so far; DeepSeek-V4 has it with every kernel")
-        self.experts = self._spread_experts(model, expert_parallel, keep) if expert_parallel != 1 else None
+        self.experts = (self._spread_experts(model, expert_parallel, keep, load_format) if expert_parallel != 1
+                        else None)
         if self.experts is not None:
             cuda_graphs = False  # the exchanges' split sizes are read on the host every layer: nothing to capture
         self.spec = self.model.cache_spec(hashing.BLOCK_TOKENS, self.kv_dtype)
@@ -457,11 +462,12 @@ class Engine:
 
     # --- expert parallelism (parallel/servers.py) --------------------------------------------------------------
 
-    def _spread_experts(self, model: str | ModelFiles | LoadedModel, world: int, keep: bool) -> ExpertServers:
+    def _spread_experts(self, model: str | ModelFiles | LoadedModel, world: int, keep: bool, load_format: str
+                        ) -> ExpertServers:
         if isinstance(model, LoadedModel):
             raise ValueError("expert parallelism needs the checkpoint's path: every rank loads it itself")
         files = resolve(model) if isinstance(model, str) else model
-        return ExpertServers(self.model, files, world, self.device, self.dtype, keep, free_port())
+        return ExpertServers(self.model, files, world, self.device, self.dtype, keep, free_port(), load_format)
 
     def apply_expert_plan(self, plan: ExpertPlan) -> int:
         """Between two steps: every rank switches to the plan's placement (ValueError when it is not one of this

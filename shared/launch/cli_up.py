@@ -18,8 +18,8 @@ from shared.config import DEFAULT_MAX_BATCH_TOKENS, ENV_PREFIX, GPU_BATCH_TOKENS
 from shared.config import default_of, model_names
 from shared.nats_urls import server_urls
 from shared.logs import LOG_FORMATS
-from shared.worker.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, SPECULATIVE_POLICIES,
-                                  WorkerConfig)
+from shared.worker.config import (KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, SPECULATIVE_METHODS,
+                                  SPECULATIVE_POLICIES, WorkerConfig)
 
 DEVICE_SHARE = 0.9  # of one GPU, what its workers fill together by default; the rest: CUDA contexts, graphs
 
@@ -94,6 +94,10 @@ def parser(prog: str = "deepinfer up", *, positional_model: bool = False) -> arg
     workers.add_argument("--quantization", choices=QUANTIZATIONS, default=default_of(WorkerConfig, "quantization"),
                          help="a quantized checkpoint's weights: auto (as shipped on a GPU: DeepSeek-V4's FP8 / FP4) "
                               "| bf16 (dequantized)")
+    workers.add_argument("--load-format", choices=LOAD_FORMATS, default=default_of(WorkerConfig, "load_format"),
+                         help="where the weights come from: auto (the checkpoint's files) | dummy (random weights "
+                              "drawn on the device from config.json alone, the same in every worker: benchmarks of "
+                              "models whose checkpoint is not on disk; DeepSeek-V4 and Llama directories)")
     workers.add_argument("--expert-parallel", "--expert-parallel-size", dest="expert_parallel", type=int,
                          default=default_of(WorkerConfig, "expert_parallel"),
                          help="ranks each DeepSeek-V4 worker spreads its routed experts over (processes it spawns: "

@@ -94,6 +94,7 @@ def build_plan(args: argparse.Namespace, state_dir: Path, nats_url: str) -> Plan
                         ("--kv-blocks", args.kv_blocks), ("--kv-arena-mib", args.kv_arena_mib),
                         ("--gpu-memory-utilization", cli_up.worker_share(args)),
                         ("--quantization", args.quantization if args.quantization != "auto" else None),
+                        ("--load-format", args.load_format if args.load_format != "auto" else None),
                         ("--expert-parallel", args.expert_parallel if args.expert_parallel > 1 else None),
                         ("--kv-cache-dtype", args.kv_cache_dtype if args.kv_cache_dtype != "auto" else None)):
         worker += [flag, str(value)] if value is not None else []
@@ -383,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lock = lock_state_dir(state_dir, args.state_dir)  # first: a running `up` holds the port as well
         check_port(args.host, args.port)
-        files = check_model(args.model, args.max_model_len)
+        files = check_model(args.model, args.max_model_len, args.load_format)
     except PreflightError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

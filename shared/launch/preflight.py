@@ -81,9 +81,10 @@ def port_holder(port: int) -> str | None:
     return "another user's process"
 
 
-def check_model(spec: str, max_model_len: int | None = None) -> ModelFiles:
+def check_model(spec: str, max_model_len: int | None = None, load_format: str = "auto") -> ModelFiles:
     """The cheap part of loading a model (config and metadata, no weights): its files are where the recipe and
-    the workers will look, and --max-model-len fits its context."""
+    the workers will look, and --max-model-len fits its context. --load-format dummy needs no weights files, only
+    a checkpoint directory (its config.json)."""
     from shared.model_info import load_model_info
 
     try:
@@ -96,8 +97,11 @@ def check_model(spec: str, max_model_len: int | None = None) -> ModelFiles:
         if not info.is_deepseek_v4 and not (files.path / "tokenizer.json").exists():
             raise PreflightError(f"model {spec}: {files.path} has no tokenizer.json (the recipe encodes prompts "
                                  "with it); copy the checkpoint's tokenizer files there")
-        if not any(files.path.glob("*.safetensors")):
+        if load_format == "auto" and not any(files.path.glob("*.safetensors")):
             raise PreflightError(f"model {spec}: {files.path} has no *.safetensors weights")
+    elif load_format == "dummy":
+        raise PreflightError(f"model {spec}: --load-format dummy draws weights from a checkpoint directory's "
+                             f"config.json, not a {files.format} file")
     if info.context_length <= 0:
         raise PreflightError(f"model {spec}: its context length is unknown (config.json max_position_embeddings)")
     if max_model_len is not None and max_model_len > info.context_length:

@@ -14,6 +14,7 @@ HANDOVERS = ("peer", "store")  # --kv-handover
 SPECULATIVE_METHODS = ("mtp", "ngram")  # --speculative-method: shared/engine/drafters METHODS (a test checks them)
 SPECULATIVE_POLICIES = ("fixed", "adaptive")  # --speculative-policy: shared/engine/verify_policy.py POLICIES
 QUANTIZATIONS = ("auto", "bf16")  # --quantization: shared/engine/engine.py QUANTIZATIONS (a test checks them)
+LOAD_FORMATS = ("auto", "dummy")  # --load-format: shared/engine/loader LOAD_FORMATS (a test checks them)
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # --kv-cache-dtype: shared/engine/kv_quant.py's (a test checks them)
 KV_TRANSPORTS = "nats | shm"  # the names in shared/worker/kvclient.py TRANSPORTS, for --help (a test checks them)
 
@@ -44,6 +45,12 @@ class WorkerConfig:
     quantization: str = option(
         "auto", help="weights of a quantized checkpoint: auto (as shipped on a GPU: DeepSeek-V4's FP8 linears and "
                      "FP4 experts stay quantized, read by the kernels; dequantized on a CPU) | bf16 (dequantized)")
+    load_format: str = option(
+        "auto", env=True, help="where the weights come from: auto (the checkpoint's files) | dummy (random weights "
+                               "drawn on the device from config.json alone, the same in every worker; for "
+                               "benchmarks of models whose checkpoint is not on disk: DeepSeek-V4 and Llama "
+                               "checkpoint directories; the KV cache id says dummy, so its blocks never mix with "
+                               "the real weights')")
     kv_cache_dtype: str = option(
         "auto", env=True, help="how the KV cache stores keys: auto (the model's dtype) | bf16 | fp8 (e4m3 with a "
                                "float32 scale per 64 channels, RoPE channels bf16: about half the bytes per block "
@@ -114,6 +121,8 @@ class WorkerConfig:
             raise ValueError(f"--speculative-method must be one of {list(SPECULATIVE_METHODS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {list(QUANTIZATIONS)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {list(LOAD_FORMATS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}")
         if self.speculative_policy not in SPECULATIVE_POLICIES:

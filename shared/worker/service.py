@@ -158,6 +158,7 @@ class EngineWorker(ABC):
                 gpu_memory_utilization=self.worker.gpu_memory_utilization,
                 quantization=self.worker.quantization,
                 kv_cache_dtype=self.worker.kv_cache_dtype,
+                load_format=self.worker.load_format,
                 cuda_graphs=not self.worker.enforce_eager,
                 deterministic=self.worker.deterministic,
                 expert_parallel=self.worker.expert_parallel,
@@ -171,8 +172,9 @@ class EngineWorker(ABC):
         assert self.engine is not None
         await self._publish_kv_events(engine, self.engine)
         self.engine.start()
-        log.info("loaded %s in %.1fs on %s (%s%s)", self.model_name, time.monotonic() - started, engine.device,
-                 str(engine.dtype).removeprefix("torch."), ", deterministic" if engine.deterministic else "")
+        log.info("loaded %s in %.1fs on %s (%s%s%s)", self.model_name, time.monotonic() - started, engine.device,
+                 str(engine.dtype).removeprefix("torch."), ", deterministic" if engine.deterministic else "",
+                 ", dummy weights" if self.worker.load_format == "dummy" else "")
         log.info("%s", engine.memory().line())
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         await self.serve_handover()

@@ -9,6 +9,7 @@ from bench import v4_model
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.engine.loader import LoadedModel
 from shared.engine.loader.deepseek_v4 import parse_spec
+from shared.engine.loader.dummy import RandomWeights, v4_table
 
 
 def test_the_bench_runs_ours_transformers_and_the_floors() -> None:
@@ -38,7 +39,7 @@ def test_flash_quantized_weights_are_about_80_gb() -> None:
     """The issue's shape: 43 layers x 128 routed experts as DeepSeek ships them, ~80 GB (a bf16 copy ~4x that);
     its batch-1 byte floor well under half the bf16 one."""
     spec = parse_spec(v4_model.hf_config(43, 128, tiny=False).to_dict())
-    dense = v4_model.RandomWeights(spec, torch.device("cpu"))
+    dense = RandomWeights(v4_table(spec), "cpu")
     quantized = v4_model.QuantizedWeights(dense)
     assert 70 < quantized.nbytes(2) / 1e9 < 90 and dense.nbytes(2) > 3.5 * quantized.nbytes(2)
     assert v4_model.quantized_kind("layers.3.attn.compressor.wgate.weight") == "fp8"
@@ -51,7 +52,7 @@ def test_flash_quantized_weights_are_about_80_gb() -> None:
 def test_ours_and_transformers_get_the_same_weights() -> None:
     config = v4_model.hf_config(3, 16, tiny=True)
     spec = parse_spec(config.to_dict())
-    weights = v4_model.RandomWeights(spec, torch.device("cpu"))
+    weights = RandomWeights(v4_table(spec), "cpu")
     reference = v4_model.hf_model(config, weights, torch.device("cpu"), torch.float32)
     engine = Engine(LoadedModel("tiny", v4_model.model_config(spec), weights), kv_blocks=16)
     prompt = [(5 * t + 1) % spec.vocab_size for t in range(20)]

@@ -3,19 +3,20 @@
 Canonical names are the HF Llama ones (`model.layers.N.self_attn.q_proj.weight`, ...) in HF's row layout, so
 an HF checkpoint loads as-is and every other format is mapped onto it. Weights stay on the CPU in float32 (or
 the checkpoint's float dtype); the model casts and moves them, so one loaded checkpoint can back several
-engines in a process.
+engines in a process. The dummy load format (dummy.py) reads only the config and draws the weights on the
+engine's device instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.engine.config import ModelConfig
-from shared.engine.loader import hf
+from shared.engine.loader import dummy, hf
 from shared.engine.quant import Weight
 from shared.models import ModelFiles
 
@@ -24,7 +25,8 @@ from shared.models import ModelFiles
 class LoadedModel:
     name: str  # the model's served name; part of the engine's cache identity
     config: ModelConfig
-    weights: dict[str, Weight]  # plain tensors; DeepSeek-V4 on a GPU may keep FP8 / FP4 ones (quant.py)
+    # plain tensors; DeepSeek-V4 on a GPU may keep FP8 / FP4 ones (quant.py); dummy's draws each when read
+    weights: Mapping[str, Weight]
 
 
 Loader = Callable[..., tuple[ModelConfig, dict[str, Weight]]]  # (path, keep_quantized=...) -> config, weights
@@ -37,11 +39,20 @@ def _load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, d
 
 
 LOADERS: dict[str, Loader] = {"gguf": _load_gguf, "hf": hf.load}
+LOAD_FORMATS = ("auto", "dummy")  # --load-format: the checkpoint's weights | random ones of its config (dummy.py)
 
 
-def load(files: ModelFiles, keep_quantized: bool = False) -> LoadedModel:
+def load(files: ModelFiles, keep_quantized: bool = False, load_format: str = "auto",
+         device: torch.device | str = "cpu") -> LoadedModel:
     """keep_quantized: FP8 / FP4 weights stay as the checkpoint ships them where the format's loader can keep
-    them (DeepSeek-V4's hub release); otherwise they are dequantized to bfloat16."""
+    them (DeepSeek-V4's hub release); otherwise they are dequantized to bfloat16. load_format "dummy": only
+    the config is read, the weights are drawn on `device` when the model takes them (dense: keep_quantized
+    does not apply), under a name of their own (dummy.SUFFIX: the cache id never matches the real weights')."""
+    if load_format == "dummy":
+        config, drawn = dummy.load(files, device)
+        return LoadedModel(files.name + dummy.SUFFIX, config, drawn)
+    if load_format != "auto":
+        raise ValueError(f"load format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     loader = LOADERS.get(files.format)
     if loader is None:
         raise ValueError(f"{files.name}: no loader for format {files.format!r} (have {sorted(LOADERS)})")

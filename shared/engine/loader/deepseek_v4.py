@@ -207,9 +207,14 @@ def load(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[st
         # transformers never saves the MTP layers its config counts; the model runs without them.
         spec = replace(spec, num_mtp_layers=0, mtp_kinds=(), mtp_ratios=())
     _check(path, spec, weights, sources)
+    return model_config(raw, spec), weights
+
+
+def model_config(raw: dict[str, Any], spec: DeepseekV4Spec) -> ModelConfig:
+    """The engine's record of a V4 model: `spec` and the config.json keys beyond it (tied head, bos / eos)."""
     eos = raw.get("eos_token_id", 1)  # an explicit null means none
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    config = ModelConfig(
+    return ModelConfig(
         arch="deepseek_v4",
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -221,12 +226,11 @@ def load(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[st
         rope_theta=spec.rope_theta,
         rms_eps=spec.rms_eps,
         max_position=spec.max_position,
-        tie_embeddings=tie,
+        tie_embeddings=bool(_get(raw, "tie_word_embeddings", False)),
         bos_id=raw.get("bos_token_id", 0),
         eos_ids=tuple(sorted(int(t) for t in eos_ids)),
         spec=spec,
     )
-    return config, weights
 
 
 # ---- reading (and dequantizing) ------------------------------------------------------------------------------
@@ -373,7 +377,7 @@ def _block_names(prefix: str, kind: str, hashed: bool, spec: DeepseekV4Spec) -> 
     return names, ({f"{prefix}.ffn.gate.bias"} if hashed else set())
 
 
-def _expected(spec: DeepseekV4Spec) -> tuple[set[str], set[str]]:
+def expected_names(spec: DeepseekV4Spec) -> tuple[set[str], set[str]]:
     required = {"embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"}
     optional: set[str] = set()
     blocks = [(f"layers.{i}", kind, i < spec.hash_layers) for i, kind in enumerate(spec.kinds)]
@@ -389,7 +393,7 @@ def _expected(spec: DeepseekV4Spec) -> tuple[set[str], set[str]]:
 
 
 def _check(path: Path, spec: DeepseekV4Spec, weights: dict[str, Tensor], sources: dict[str, str]) -> None:
-    required, optional = _expected(spec)
+    required, optional = expected_names(spec)
     unknown = sorted({sources.get(n, n) for n in weights.keys() - required - optional})
     if unknown:
         raise ValueError(f"{path}: {len(unknown)} tensors this DeepSeek-V4 config has no place for: {_few(unknown)}")

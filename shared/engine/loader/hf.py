@@ -29,7 +29,7 @@ def load(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict]:
     own = next((ARCH_LOADERS[a] for a in archs if a in ARCH_LOADERS), None)
     if own is not None:
         return own(path, keep_quantized=keep_quantized)
-    config = _config(raw, path)
+    config = llama_config(raw, path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
@@ -44,7 +44,8 @@ def load(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict]:
     return config, weights
 
 
-def _config(raw: dict, path: Path) -> ModelConfig:
+def llama_config(raw: dict, path: Path) -> ModelConfig:
+    """config.json of a supported HF architecture (SUPPORTED) -> the engine's record."""
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
     if arch is None:

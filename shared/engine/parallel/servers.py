@@ -11,7 +11,8 @@ The worker thus stays one bus worker with one cache and one block layout: only t
 Data-parallel attention (dp.py: each rank its own sequences) is the next step for serving; it needs rank 0's
 scheduler to place sequences on ranks and the KV export to read a rank's blocks.
 
-The followers load the checkpoint themselves (from its path: no weights cross the pipe) and bring only their
+The followers load the checkpoint themselves (from its path: no weights cross the pipe; dummy weights are drawn
+alike by name, so every rank has the same numbers) and bring only their
 share of the routed experts to their device (rank_model); they are daemonic (gone with rank 0's exit) and leave when rank 0's process does (a watchdog thread),
 since a rank blocked in a collective would otherwise outlive a killed worker.
 """
@@ -62,12 +63,12 @@ class ExpertServers:
     """Rank 0's side: the group, the follower processes, the announcements."""
 
     def __init__(self, model, files: ModelFiles, world: int, device: torch.device, dtype: torch.dtype,
-                 keep_quantized: bool, port: int) -> None:
+                 keep_quantized: bool, port: int, load_format: str = "auto") -> None:
         ctx = mp.get_context("spawn")  # rank 0 may be a service with threads: never fork it
         ready = ctx.Queue()
         self.procs = [ctx.Process(target=serve, args=(r, world, port, files, str(rank_device(device, r)),
-                                                      str(dtype).removeprefix("torch."), keep_quantized, os.getpid(),
-                                                      ready), daemon=True, name=f"experts-rank-{r}")
+                                                      str(dtype).removeprefix("torch."), keep_quantized, load_format,
+                                                      os.getpid(), ready), daemon=True, name=f"experts-rank-{r}")
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
@@ -143,7 +144,7 @@ def _await_loaded(procs: list, ready) -> None:
 
 
 def serve(rank: int, world: int, port: int, files: ModelFiles, device: str, dtype: str, keep_quantized: bool,
-          parent: int, ready) -> None:
+          load_format: str, parent: int, ready) -> None:
     """A follower's life: load, say so, join, then rank 0's announcements until STOP."""
     from shared.engine.loader import load
     from shared.engine.ops import select_ops
@@ -151,7 +152,7 @@ def serve(rank: int, world: int, port: int, files: ModelFiles, device: str, dtyp
     _leave_with(parent)
     dev = torch.device(device)
     try:
-        loaded = load(files, keep_quantized=keep_quantized)
+        loaded = load(files, keep_quantized=keep_quantized, load_format=load_format, device=dev)  # dummy: drawn there
         model = rank_model(loaded, world, rank, dev, getattr(torch, dtype), select_ops(dev, "auto"))
     except Exception as exc:  # told to rank 0, which fails its engine's construction with it
         ready.put((rank, f"{type(exc).__name__}: {exc}"))
