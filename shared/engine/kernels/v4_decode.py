@@ -13,6 +13,15 @@ Flash-decoding: the key axis (window padded to WPAD, then the compressed entries
 PART keys; program (s, head tile, part) writes a partial (max, sum, acc) and a second kernel merges them with the
 sink. A tile of BLOCK_N keys is all window or all compressed (WPAD and PART are multiples of BLOCK_N): two loops.
 Softmax runs in float32 whatever the cache dtype.
+
+FP8 storage (--kv-cache-dtype fp8: `swa` and `entries` are kv_quant.Fp8Rows, packed uint8 rows of RowLayout)
+is read in the tile load, so only the packed bytes cross HBM: a row's column d is
+
+    d < NOPE    e4m3 byte d, times the float32 scale at byte NOPE + 4 (d // GROUP)
+    d >= NOPE   the bfloat16 at byte ROPE_AT + 2 (d - NOPE)             (ROPE_AT = NOPE + 4 groups)
+
+three masked loads into one (BLOCK_N, D) tile in the compute dtype (the scale's gather repeats an address
+along a group: the same words of L1), then the same fold. Strides are the packed tensor's, in bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from shared.engine.kv_quant import Fp8Rows, RowLayout, storage
 
 SLIDING, HCA, CSA = 0, 1, 2  # MODE: which compressed keys a layer adds to the window
 
@@ -44,13 +55,31 @@ def _fold(q, k, valid, m, l, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _keys(ptr, off, valid, d, FP8: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr, ROPE_AT: tl.constexpr):
+    """The (BLOCK_N, D) key rows at byte / element offsets off (BLOCK_N,): the stored dtype, or FP8 rows
+    dequantized to float32 (zeros where not valid)."""
+    row = ptr + off[:, None]
+    if FP8:
+        nope = valid[:, None] & (d < NOPE)[None, :]
+        rope = valid[:, None] & (d >= NOPE)[None, :]
+        x = tl.load(row + d[None, :], mask=nope, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load((row + NOPE + 4 * (d // GROUP)[None, :]).to(tl.pointer_type(tl.float32)), mask=nope,
+                        other=0.0)
+        r = tl.load((row + ROPE_AT + 2 * (d - NOPE)[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=rope,
+                    other=0.0)
+        return tl.where(nope, x * scale, r.to(tl.float32))
+    else:
+        return tl.load(row + d[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr, swa_ptr, ent_ptr, bt_ptr, slot_ptr, pos_ptr, begin_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr,
     scale, cap, num_ids, num_parts,
     stride_qs, stride_qh, stride_ws, stride_wc, stride_e0, stride_e1, stride_bt, stride_ids,
     H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, WIN: tl.constexpr, WPAD: tl.constexpr,
     RATIO: tl.constexpr, BT: tl.constexpr, MODE: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr, ROPE_AT: tl.constexpr,
 ):
     s = tl.program_id(0)
     hb = tl.program_id(1)
@@ -80,7 +109,7 @@ def _partial_kernel(
             kp = p - WIN + 1 + t
             valid = (t < WIN) & (kp >= begin) & (kp >= 0)
             off = slot * stride_ws + (tl.where(kp >= 0, kp, 0) % cap).to(tl.int64) * stride_wc
-            k = tl.load(swa_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            k = _keys(swa_ptr, off, valid, d, FP8, NOPE, GROUP, ROPE_AT).to(q.dtype)
             m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
         for n0 in range(tl.maximum(start, WPAD), end, BLOCK_N):  # compressed entries through the block table
             t = n0 + tl.arange(0, BLOCK_N)
@@ -94,7 +123,7 @@ def _partial_kernel(
             tok = e * RATIO
             blk = tl.load(bt_ptr + s * stride_bt + tok // BT, mask=valid, other=0).to(tl.int64)
             off = blk * stride_e0 + ((tok % BT) // RATIO).to(tl.int64) * stride_e1
-            k = tl.load(ent_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            k = _keys(ent_ptr, off, valid, d, FP8, NOPE, GROUP, ROPE_AT).to(q.dtype)
             m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
         row_id = (s * H + h) * num_parts + part  # scratch layout (S, H, P[, D])
         tl.store(m_ptr + row_id, m, mask=hmask)
@@ -133,16 +162,29 @@ def _merge_kernel(o_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, stride_os, stride_oh, 
     tl.store(o_ptr + s * stride_os + h * stride_oh + d, (acc / l).to(o_ptr.dtype.element_ty))
 
 
+def _packing(swa: torch.Tensor | Fp8Rows, entries: torch.Tensor | Fp8Rows | None, width: int) -> RowLayout | None:
+    """The FP8 stores' row layout (one for the ring and the entries), or None: compute-dtype stores."""
+    if not isinstance(swa, Fp8Rows):
+        assert entries is None or not isinstance(entries, Fp8Rows)
+        return None
+    layout = swa.layout
+    assert entries is None or (isinstance(entries, Fp8Rows) and entries.layout == layout)
+    # aligned float32 scales and bfloat16 RoPE channels: rows start 4-aligned, scales at byte nope
+    assert layout.width == width and layout.nope % 4 == 0 and layout.rope % 2 == 0, layout
+    return layout
+
+
 def decode_attention(
-    q: torch.Tensor, swa: torch.Tensor, entries: torch.Tensor | None, table: torch.Tensor, slots: torch.Tensor,
-    positions: torch.Tensor, begins: torch.Tensor, ids: torch.Tensor | None, sinks: torch.Tensor, scale: float,
-    window: int, ratio: int, block_tokens: int, max_entries: int, block_h: int | None = None, block_n: int = 32,
-    part: int | None = None, num_warps: int = 8,
+    q: torch.Tensor, swa: torch.Tensor | Fp8Rows, entries: torch.Tensor | Fp8Rows | None, table: torch.Tensor,
+    slots: torch.Tensor, positions: torch.Tensor, begins: torch.Tensor, ids: torch.Tensor | None, sinks: torch.Tensor,
+    scale: float, window: int, ratio: int, block_tokens: int, max_entries: int, block_h: int | None = None,
+    block_n: int = 32, part: int | None = None, num_warps: int = 8,
 ) -> torch.Tensor:
     """q (S, H, D) one row per sequence; swa (slots, cap, D) this layer's ring pool, this step's keys written;
-    entries (num_blocks, BT / ratio, D) or None (sliding layer); table (S, NB) int; slots, positions, begins (S,)
-    int; ids (S, K) int64 chosen entries (CSA, -1 = none) or None (HCA: all visible); sinks (H,) float32.
-    max_entries bounds (p + 1) // ratio over the batch (HCA; host-known, sizes the grid). Returns (S, H, D).
+    entries (num_blocks, BT / ratio, D) or None (sliding layer), both of q's dtype or both FP8 rows (Fp8Rows:
+    read packed, dequantized in registers); table (S, NB) int; slots, positions, begins (S,) int; ids (S, K)
+    int64 chosen entries (CSA, -1 = none) or None (HCA: all visible); sinks (H,) float32. max_entries bounds
+    (p + 1) // ratio over the batch (HCA; host-known, sizes the grid). Returns (S, H, D).
 
     Tiles (H200, CSA at V4-Flash shape, CUDA-graph replays): BLOCK_N 32 and 8 warps; 16 heads a tile for small
     batches (17.7 us at batch 1 against 22.5 us with 64), all 64 heads in one tile (K read once) from batch 16
@@ -163,7 +205,9 @@ def decode_attention(
     m = torch.empty((S, H, num_parts), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((S, H, num_parts, D), dtype=torch.float32, device=q.device)
-    ent = swa if entries is None else entries  # a sliding layer never reads it
+    layout = _packing(swa, entries, D)
+    swa = storage(swa)
+    ent = swa if entries is None else storage(entries)  # a sliding layer never reads it
     idx = slots if ids is None else ids
     _partial_kernel[(S, head_tiles, num_parts)](
         q, swa, ent, table, slots, positions, begins, idx, m, l, acc,
@@ -171,7 +215,9 @@ def decode_attention(
         q.stride(0), q.stride(1), swa.stride(0), swa.stride(1), ent.stride(0), ent.stride(1), table.stride(0),
         idx.stride(0) if ids is not None else 0,
         H=H, BLOCK_H=block_h, D=D, WIN=window, WPAD=wpad, RATIO=max(ratio, 1), BT=block_tokens, MODE=mode,
-        PART=part, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
+        PART=part, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), FP8=layout is not None,
+        NOPE=0 if layout is None else layout.nope, GROUP=1 if layout is None else layout.group,
+        ROPE_AT=0 if layout is None else layout.rope_at, num_warps=num_warps,
     )
     out = torch.empty((S, H, D), dtype=q.dtype, device=q.device)
     _merge_kernel[(S, H)](out, sinks, m, l, acc, out.stride(0), out.stride(1), num_parts, D=D)
