@@ -57,8 +57,13 @@ class RowLayout:
         return self.nope // self.group
 
     @property
+    def rope_at(self) -> int:
+        """Byte offset of the RoPE channels in a row (past the e4m3 bytes and their scales)."""
+        return self.nope + 4 * self.groups
+
+    @property
     def row_bytes(self) -> int:
-        return self.nope + 4 * self.groups + ROPE_DTYPE.itemsize * self.rope
+        return self.rope_at + ROPE_DTYPE.itemsize * self.rope
 
 
 def quantize(x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
@@ -78,10 +83,10 @@ def dequantize(raw: torch.Tensor, layout: RowLayout, dtype: torch.dtype) -> torc
     """(..., row_bytes) uint8 -> (..., width) in `dtype`."""
     lead, n, g = raw.shape[:-1], layout.nope, layout.groups
     q = raw[..., :n].contiguous().view(FP8).float().view(*lead, g, layout.group)
-    scale = raw[..., n : n + 4 * g].contiguous().view(torch.float32)
+    scale = raw[..., n : layout.rope_at].contiguous().view(torch.float32)
     out = (q * scale[..., None]).view(*lead, n)
     if layout.rope:
-        out = torch.cat([out, raw[..., n + 4 * g :].contiguous().view(ROPE_DTYPE).float()], dim=-1)
+        out = torch.cat([out, raw[..., layout.rope_at :].contiguous().view(ROPE_DTYPE).float()], dim=-1)
     return out.to(dtype)
 
 

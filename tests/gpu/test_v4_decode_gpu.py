@@ -1,14 +1,18 @@
 """V4 decode attention kernel (kernels/v4_decode.py) on a GPU at V4-Flash shape (64 heads of 512, window 128,
-index_topk 512), against a torch reference over the same gathered keys, in fp32 and bf16 (marked gpu)."""
+index_topk 512), against a torch reference over the same gathered keys, in fp32 and bf16, with the cache's rows
+in the compute dtype or FP8 (marked gpu)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from shared.engine.kv_quant import Fp8Rows, RowLayout, quantize
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 H, D, W, BT, TOPK = 64, 512, 128, 128, 512
+ROPE = 64  # RoPE's channels of a row (bf16 in FP8 rows)
 CAP = W - 1 + 4  # the cache's sliding ring: window - 1 + backtrack
 
 
@@ -70,5 +74,32 @@ def test_decode_kernel_at_flash_shape(kind: str, dtype: torch.dtype) -> None:
     got = decode_attention(q, swa, entries, table, slots, positions, begins, ids, sinks, scale, W, ratio, BT,
                            max_entries)
     want = _reference(q, swa, entries, table, slots, positions, begins, ids, sinks, ratio, scale)
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def packed(pool: torch.Tensor, dtype: torch.dtype) -> Fp8Rows:
+    """A pool as --kv-cache-dtype fp8 stores it (V4-Flash rows: 448 e4m3 channels in 7 scaled groups, 64 bf16)."""
+    layout = RowLayout(D, ROPE)
+    return Fp8Rows(quantize(pool, layout), layout, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_decode_kernel_reads_fp8_rows_at_flash_shape(kind: str, dtype: torch.dtype) -> None:
+    """FP8 rings and entries read packed by the kernel against the torch reference over the same rows
+    dequantized to the compute dtype (what the torch path's gathers give): the values are the same, so the
+    tolerance is the compute dtype's, as above."""
+    from shared.engine.kernels.v4_decode import decode_attention
+
+    contexts = [4096, 3000, 130, 4096 + 77, 2500, 8192, 1000, 2200]
+    q, swa, entries, table, slots, positions, begins, ids, sinks, ratio = _case(kind, contexts, dtype)
+    swa8, entries8 = packed(swa, dtype), None if entries is None else packed(entries, dtype)
+    scale = D**-0.5
+    max_entries = max(contexts) // ratio if ratio else 0
+    got = decode_attention(q, swa8, entries8, table, slots, positions, begins, ids, sinks, scale, W, ratio, BT,
+                           max_entries)
+    want = _reference(q, swa8[:], None if entries8 is None else entries8[:], table, slots, positions, begins, ids,
+                      sinks, ratio, scale)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from shared.engine.attention import AttentionMetadata, SeqSpan
 from shared.engine.engine import Engine
+from shared.engine.kv_quant import Fp8Rows, storage
 from shared.engine.models.deepseek_v4 import decode
 from shared.engine.models.deepseek_v4.cache import V4Cache
 from shared.engine.models.deepseek_v4.mhc import rms
@@ -92,7 +93,7 @@ class Step:
 
 
 def _tensors(kv: V4Cache) -> list[torch.Tensor]:
-    out = list(kv.swa_pool) + list(kv._paged)
+    out = [storage(t) for t in kv.swa_pool] + list(kv._paged)  # FP8 stores: their packed bytes
     for pair in (*kv.comp_pool, *kv.index_pool):
         if pair is not None:
             out += pair
@@ -260,3 +261,66 @@ def test_slots_run_out_clearly(checkpoint: Path) -> None:
         kv.begin("z", 0)
     kv.drop_state("y")
     assert kv.begin("z", 0) == 0 and kv.states["z"].slot != kv.states["x"].slot
+
+
+@pytest.fixture(scope="module")
+def fp8_step(checkpoint: Path) -> tuple[Step, list[tuple[str, int]]]:
+    s = Step(Engine(str(checkpoint), kv_blocks=64, kv_cache_dtype="fp8"))
+    return s, s.setup()
+
+
+def _with_padding_row(b: decode.DecodeBatch, kv: V4Cache, bt: int) -> decode.DecodeBatch:
+    """b and one padding row as the graph runner packs it (graphs.py): position 0 in the scratch slot with a
+    table of the scratch block, and a context bucket past the longest row (HCA's grid covers masked entries)."""
+    def one(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, torch.tensor([value])])
+
+    table = torch.cat([b.table, torch.full((1, b.table.shape[1]), kv.scratch_block)])
+    table = F.pad(table, (0, 1), value=kv.scratch_block)
+    return decode.DecodeBatch(one(b.slots, kv.scratch_slot), one(b.positions, 0), one(b.begins, 0),
+                              one(b.frozen, 0), table, table.shape[1] * bt)
+
+
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_fp8_kernel_reads_the_packed_rows_as_the_torch_path(fp8_step, kind: str, monkeypatch) -> None:
+    """--kv-cache-dtype fp8: one decode step of the five rows and a padding row, the batched torch path (its
+    gathers dequantize the packed rows) against the Triton kernel reading the same bytes itself. Steps 1-3 are
+    the same torch code, so both leave the same bytes; the attention reads the same values (fp32 compute):
+    equal up to the order of the sums."""
+    from shared.engine.kernels import v4_decode
+
+    st, rows = fp8_step
+    model, kv, att = st.model, st.kv, st.model.attention
+    i = model.spec.kinds.index(kind)
+    layer = model.layers[i]
+    assert isinstance(kv.swa_pool[i], Fp8Rows) and (kind == SLIDING or isinstance(kv.entries[i], Fp8Rows))
+    meta, positions = st.meta(rows)
+    states = [kv.state(rid, p) for rid, p in rows]
+    batch = _with_padding_row(decode.batch_of(meta, states, positions), kv, st.bt)
+    x = rms(torch.randn(len(rows) + 1, model.spec.hidden_size, generator=torch.Generator().manual_seed(6)), None,
+            1e-6)
+    angles = att.angles(batch.positions)
+    launches = []
+
+    def counted(*args, **kwargs) -> torch.Tensor:
+        launches.append(args[1])
+        return decode_attention(*args, **kwargs)
+
+    decode_attention = v4_decode.decode_attention
+    monkeypatch.setattr(v4_decode, "decode_attention", counted)
+    snapshot = [t.clone() for t in _tensors(kv)]
+    results = {}
+    for path in ("torch", "triton"):
+        _restore(kv, snapshot)
+        att.batched, att.triton = True, path == "triton"
+        try:
+            out = att(i, layer, x, batch.positions, angles, None, [], kv, batch)
+        finally:
+            att.batched = att.triton = False
+        results[path] = (out, [t.clone() for t in _tensors(kv)])
+    _restore(kv, snapshot)
+    assert len(launches) == 1 and isinstance(launches[0], Fp8Rows)  # the kernel ran, on the packed ring
+    (want, want_cache), (got, cache) = results["torch"], results["triton"]
+    assert any(not torch.equal(a, b) for a, b in zip(want_cache, snapshot))  # the step wrote rings / entries
+    assert all(torch.equal(a, b) for a, b in zip(cache, want_cache))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -13,6 +13,17 @@ Flash-decoding: the key axis (window padded to WPAD, then the compressed entries
 PART keys; program (s, head tile, part) writes a partial (max, sum, acc) and a second kernel merges them with the
 sink. A tile of BLOCK_N keys is all window or all compressed (WPAD and PART are multiples of BLOCK_N): two loops.
 Softmax runs in float32 whatever the cache dtype.
+
+FP8 storage (--kv-cache-dtype fp8: `swa` and `entries` are kv_quant.Fp8Rows, packed uint8 rows of RowLayout)
+is read in the tile load, so only the packed bytes cross HBM. A row of row_bytes:
+
+    [ NOPE e4m3 bytes | NOPE / GROUP float32 scales | ROPE bfloat16 ]      (V4-Flash: 448 | 7 x 4 | 64 x 2 = 604)
+    ^ byte 0            ^ byte NOPE                   ^ byte ROPE_AT
+
+A key tile is two: the e4m3 channels as (BLOCK_N, D) (bytes past NOPE masked to 0), times their scales
+broadcast over (BLOCK_N, D / GROUP, GROUP), and the RoPE channels as (BLOCK_N, ROPE); scores and the acc take a
+dot with each (q's RoPE columns loaded apart), and the partial's acc columns from NOPE on come from the second.
+Strides are the packed tensor's, in bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from shared.engine.kv_quant import Fp8Rows, RowLayout, storage
 
 SLIDING, HCA, CSA = 0, 1, 2  # MODE: which compressed keys a layer adds to the window
 
@@ -30,17 +43,53 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _fold(q, k, valid, m, l, acc, scale, PRECISION: tl.constexpr):
-    """One tile of keys (K = V) into the running softmax of the head rows."""
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
+def _softmax_step(scores, valid, m, l):
+    """A tile's scores (BLOCK_H, BLOCK_N) into the running max / sum -> (max, sum, rescale, probabilities)."""
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key yet (begin > 0)
     alpha = tl.exp(m - m_safe)
     pr = tl.exp(scores - m_safe[:, None])
-    l = l * alpha + tl.sum(pr, 1)
+    return m_new, l * alpha + tl.sum(pr, 1), alpha, pr
+
+
+@triton.jit
+def _fold(q, k, valid, m, l, acc, scale, PRECISION: tl.constexpr):
+    """One tile of keys (K = V) into the running softmax of the head rows."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
+    m, l, alpha, pr = _softmax_step(scores, valid, m, l)
     acc = acc * alpha[:, None] + tl.dot(pr.to(k.dtype), k, input_precision=PRECISION)
-    return m_new, l, acc
+    return m, l, acc
+
+
+@triton.jit
+def _fold_split(q, qr, k, kr, valid, m, l, acc, accr, scale, PRECISION: tl.constexpr):
+    """_fold of FP8 rows: k (BLOCK_N, D) the scaled e4m3 channels (zero from NOPE on), kr (BLOCK_N, ROPE) the
+    bf16 RoPE channels, against q and its RoPE columns qr: two dots each way, accr the RoPE columns' acc."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) + tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
+    m, l, alpha, pr = _softmax_step(scores * scale, valid, m, l)
+    pr = pr.to(k.dtype)
+    acc = acc * alpha[:, None] + tl.dot(pr, k, input_precision=PRECISION)
+    accr = accr * alpha[:, None] + tl.dot(pr, kr, input_precision=PRECISION)
+    return m, l, acc, accr
+
+
+@triton.jit
+def _fp8_keys(ptr, off, valid, dtype: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
+              GROUP: tl.constexpr, ROPE: tl.constexpr, ROPE_AT: tl.constexpr):
+    """Packed rows at byte offsets off (BLOCK_N,) -> (the e4m3 channels times their scales as (BLOCK_N, D), zero
+    from NOPE on; the RoPE channels (BLOCK_N, ROPE)), in dtype; zeros where not valid."""
+    row = ptr + tl.multiple_of(off, 4)[:, None]  # rows are 4-aligned (row_bytes % 4 == 0): word loads
+    d = tl.arange(0, D)
+    x = tl.load(row + d[None, :], mask=valid[:, None] & (d < NOPE)[None, :], other=0)
+    x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    g = tl.arange(0, D // GROUP)  # groups across D: those past NOPE // GROUP are RoPE's, scale 0
+    sc = tl.load((row + NOPE + 4 * g[None, :]).to(tl.pointer_type(tl.float32)),
+                 mask=valid[:, None] & (g < NOPE // GROUP)[None, :], other=0.0)
+    k = tl.reshape(tl.reshape(x, (BLOCK_N, D // GROUP, GROUP)) * sc[:, :, None], (BLOCK_N, D))
+    r = tl.arange(0, ROPE)
+    kr = tl.load((row + ROPE_AT + 2 * r[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=valid[:, None], other=0.0)
+    return k.to(dtype), kr.to(dtype)
 
 
 @triton.jit
@@ -50,7 +99,8 @@ def _partial_kernel(
     stride_qs, stride_qh, stride_ws, stride_wc, stride_e0, stride_e1, stride_bt, stride_ids,
     H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, WIN: tl.constexpr, WPAD: tl.constexpr,
     RATIO: tl.constexpr, BT: tl.constexpr, MODE: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr, ROPE: tl.constexpr,
+    ROPE_AT: tl.constexpr,
 ):
     s = tl.program_id(0)
     hb = tl.program_id(1)
@@ -69,10 +119,14 @@ def _partial_kernel(
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = h < H
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + s * stride_qs + h[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+        r = NOPE + tl.arange(0, ROPE)  # FP8: the RoPE columns (ROPE 16 when unused)
+        q_rows = q_ptr + s * stride_qs + h[:, None] * stride_qh
+        q = tl.load(q_rows + d[None, :], mask=hmask[:, None], other=0.0)
+        qr = tl.load(q_rows + r[None, :], mask=hmask[:, None], other=0.0)  # DCE'd unless FP8
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
+        accr = tl.zeros([BLOCK_H, ROPE], tl.float32)
         end = tl.minimum(start + PART, total)
         # two loops, no branch inside: each can be software-pipelined
         for n0 in range(start, tl.minimum(end, WPAD), BLOCK_N):  # window keys: positions p - WIN + 1 + t
@@ -80,8 +134,12 @@ def _partial_kernel(
             kp = p - WIN + 1 + t
             valid = (t < WIN) & (kp >= begin) & (kp >= 0)
             off = slot * stride_ws + (tl.where(kp >= 0, kp, 0) % cap).to(tl.int64) * stride_wc
-            k = tl.load(swa_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
+            if FP8:
+                k, kr = _fp8_keys(swa_ptr, off, valid, q.dtype, BLOCK_N, D, NOPE, GROUP, ROPE, ROPE_AT)
+                m, l, acc, accr = _fold_split(q, qr, k, kr, valid, m, l, acc, accr, scale, PRECISION)
+            else:
+                k = tl.load(swa_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
         for n0 in range(tl.maximum(start, WPAD), end, BLOCK_N):  # compressed entries through the block table
             t = n0 + tl.arange(0, BLOCK_N)
             valid = t < end
@@ -94,12 +152,21 @@ def _partial_kernel(
             tok = e * RATIO
             blk = tl.load(bt_ptr + s * stride_bt + tok // BT, mask=valid, other=0).to(tl.int64)
             off = blk * stride_e0 + ((tok % BT) // RATIO).to(tl.int64) * stride_e1
-            k = tl.load(ent_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
+            if FP8:
+                k, kr = _fp8_keys(ent_ptr, off, valid, q.dtype, BLOCK_N, D, NOPE, GROUP, ROPE, ROPE_AT)
+                m, l, acc, accr = _fold_split(q, qr, k, kr, valid, m, l, acc, accr, scale, PRECISION)
+            else:
+                k = tl.load(ent_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
         row_id = (s * H + h) * num_parts + part  # scratch layout (S, H, P[, D])
         tl.store(m_ptr + row_id, m, mask=hmask)
         tl.store(l_ptr + row_id, l, mask=hmask)
-        tl.store(acc_ptr + row_id[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+        acc_rows = acc_ptr + row_id[:, None] * D
+        if FP8:  # acc's columns from NOPE on are zero: accr holds them
+            tl.store(acc_rows + d[None, :], acc, mask=hmask[:, None] & (d < NOPE)[None, :])
+            tl.store(acc_rows + r[None, :], accr, mask=hmask[:, None])
+        else:
+            tl.store(acc_rows + d[None, :], acc, mask=hmask[:, None])
     else:  # past this row's keys: an empty partial, so the merge needs no per-row bound
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = h < H
@@ -133,16 +200,32 @@ def _merge_kernel(o_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, stride_os, stride_oh, 
     tl.store(o_ptr + s * stride_os + h * stride_oh + d, (acc / l).to(o_ptr.dtype.element_ty))
 
 
+def _packing(swa: torch.Tensor | Fp8Rows, entries: torch.Tensor | Fp8Rows | None, width: int) -> RowLayout | None:
+    """The FP8 stores' row layout (one for the ring and the entries), or None: compute-dtype stores."""
+    if not isinstance(swa, Fp8Rows):
+        assert entries is None or not isinstance(entries, Fp8Rows)
+        return None
+    layout = swa.layout
+    assert entries is None or (isinstance(entries, Fp8Rows) and entries.layout == layout)
+    # aligned float32 scales and bfloat16 RoPE channels (rows start 4-aligned, scales at byte nope); the RoPE
+    # channels are a tile of their own (a power of two, 16+ for tl.dot), groups tile D
+    rope = layout.rope
+    assert layout.width == width and layout.nope % 4 == 0 and width % layout.group == 0, layout
+    assert rope >= 16 and rope & (rope - 1) == 0, layout
+    return layout
+
+
 def decode_attention(
-    q: torch.Tensor, swa: torch.Tensor, entries: torch.Tensor | None, table: torch.Tensor, slots: torch.Tensor,
-    positions: torch.Tensor, begins: torch.Tensor, ids: torch.Tensor | None, sinks: torch.Tensor, scale: float,
-    window: int, ratio: int, block_tokens: int, max_entries: int, block_h: int | None = None, block_n: int = 32,
-    part: int | None = None, num_warps: int = 8,
+    q: torch.Tensor, swa: torch.Tensor | Fp8Rows, entries: torch.Tensor | Fp8Rows | None, table: torch.Tensor,
+    slots: torch.Tensor, positions: torch.Tensor, begins: torch.Tensor, ids: torch.Tensor | None, sinks: torch.Tensor,
+    scale: float, window: int, ratio: int, block_tokens: int, max_entries: int, block_h: int | None = None,
+    block_n: int = 32, part: int | None = None, num_warps: int = 8,
 ) -> torch.Tensor:
     """q (S, H, D) one row per sequence; swa (slots, cap, D) this layer's ring pool, this step's keys written;
-    entries (num_blocks, BT / ratio, D) or None (sliding layer); table (S, NB) int; slots, positions, begins (S,)
-    int; ids (S, K) int64 chosen entries (CSA, -1 = none) or None (HCA: all visible); sinks (H,) float32.
-    max_entries bounds (p + 1) // ratio over the batch (HCA; host-known, sizes the grid). Returns (S, H, D).
+    entries (num_blocks, BT / ratio, D) or None (sliding layer), both of q's dtype or both FP8 rows (Fp8Rows:
+    read packed, dequantized in registers); table (S, NB) int; slots, positions, begins (S,) int; ids (S, K)
+    int64 chosen entries (CSA, -1 = none) or None (HCA: all visible); sinks (H,) float32. max_entries bounds
+    (p + 1) // ratio over the batch (HCA; host-known, sizes the grid). Returns (S, H, D).
 
     Tiles (H200, CSA at V4-Flash shape, CUDA-graph replays): BLOCK_N 32 and 8 warps; 16 heads a tile for small
     batches (17.7 us at batch 1 against 22.5 us with 64), all 64 heads in one tile (K read once) from batch 16
@@ -163,7 +246,9 @@ def decode_attention(
     m = torch.empty((S, H, num_parts), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((S, H, num_parts, D), dtype=torch.float32, device=q.device)
-    ent = swa if entries is None else entries  # a sliding layer never reads it
+    layout = _packing(swa, entries, D)
+    swa = storage(swa)
+    ent = swa if entries is None else storage(entries)  # a sliding layer never reads it
     idx = slots if ids is None else ids
     _partial_kernel[(S, head_tiles, num_parts)](
         q, swa, ent, table, slots, positions, begins, idx, m, l, acc,
@@ -171,7 +256,10 @@ def decode_attention(
         q.stride(0), q.stride(1), swa.stride(0), swa.stride(1), ent.stride(0), ent.stride(1), table.stride(0),
         idx.stride(0) if ids is not None else 0,
         H=H, BLOCK_H=block_h, D=D, WIN=window, WPAD=wpad, RATIO=max(ratio, 1), BT=block_tokens, MODE=mode,
-        PART=part, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
+        PART=part, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), FP8=layout is not None,
+        NOPE=0 if layout is None else layout.nope, GROUP=1 if layout is None else layout.group,
+        ROPE=16 if layout is None else layout.rope, ROPE_AT=0 if layout is None else layout.rope_at,
+        num_warps=num_warps,
     )
     out = torch.empty((S, H, D), dtype=q.dtype, device=q.device)
     _merge_kernel[(S, H)](out, sinks, m, l, acc, out.stride(0), out.stride(1), num_parts, D=D)

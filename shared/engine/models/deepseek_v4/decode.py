@@ -11,7 +11,8 @@ shapes: a CUDA graph can capture it):
     3. CSA: the indexer's scores over each row's visible index keys (padded to the batch's most, -inf past a
        row's own), top-k -> (S, k) entry ids, -1 = none
     4. attention over the window ring + the compressed entries (HCA: all visible; CSA: the chosen ids), sinks
-       in the softmax: one Triton launch (kernels/v4_decode.py) or the batched torch equivalent below
+       in the softmax: one Triton launch (kernels/v4_decode.py) or the batched torch equivalent below; FP8
+       stores (--kv-cache-dtype fp8) are read packed by the kernel, dequantized by the torch path's gathers
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def attend(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, q:
         kv_i, gate_i, iq, weights = idx
         compress(att, ix.compressor, rings, (kv_i, gate_i), b, store, kv, s.index_head_dim)
         ids = select(att, i, layer, b, kv, iq, weights)
-    if not triton or kv.fp8:  # FP8 rings / entries: dequantized by the gathers of the torch path (not fused yet)
+    if not triton:
         return attend_torch(att, i, layer, q, b, kv, ids)
     from shared.engine.kernels.v4_decode import decode_attention
 
