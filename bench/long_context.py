@@ -7,17 +7,22 @@
 
 Starts `deepinfer up --model DIR` (one prefill and one decode worker, the kvcache service with its RAM and SSD
 tiers) on a free port and drives it over HTTP with streamed completions of raw token ids (greedy, ignore_eos),
-so every prompt has exactly the length asked for. Per path, the time to the first token (TTFT) and the
-prompt's cached tokens as the mesh reports them:
+so every prompt has exactly the length asked for. One conversation, as the seed's traffic is: each follow-up
+turn's prompt is the previous prompt, its answer (its ids come back through logprobs spelled as ids, vLLM's
+return_tokens_as_token_ids) and a new user turn of (1 - cached) x prompt-tokens, so 96 % of a 77K follow-up is
+cached: the previous turn's full blocks and the short-term snapshot decode saved at its end. Per path, the time
+to the first token (TTFT) and the prompt's cached tokens as the mesh reports them:
 
-  cold        a prompt A of `prompt-tokens` tokens nobody has seen
-  own cache   A + a new suffix of (1 - cached) of its length: the prefill worker's own prefix cache
-  RAM tier    A + another suffix after the prefill worker is killed (the launcher restarts it): the prefix
-              comes from the kvcache service's RAM tier
-  SSD tier    the same after the kvcache service is killed too: the long-term prefix from its SSD tier
-  replay      a prompt sharing only A's full blocks up to a point with no snapshot: the short-term state is
-              rebuilt by the bounded replay, never the whole prompt
-and decode tokens/s per stream with `streams` follow-up turns of A streaming at once.
+  cold                  the first turn (prompt-tokens less a new turn and an answer), nobody has seen it
+  follow-up: own cache  the next turn: the prefill worker's own prefix cache + the snapshot
+  follow-up: RAM tier   the next, after the prefill worker is killed (the launcher restarts it): the blocks from
+                        the kvcache service's RAM tier
+  follow-up: SSD tier   the next, after the kvcache service is killed too: the blocks from its SSD tier, the
+                        snapshot from its short-term LMDB tier
+  branch: replay        another branch off the first turn, sharing its full blocks up to a point with no
+                        snapshot: the rings are rebuilt by the bounded replay (layers x (window - 1) tokens),
+                        never the whole prompt
+and decode tokens/s per stream with `streams` follow-up turns of the conversation streaming at once.
 
 --build tiny is tests/v4_checkpoints' served checkpoint (4K context); --build flash is transformers'
 DeepseekV4Config defaults (V4-Flash's widths and layer schedule) cut to --layers layers and --experts routed
@@ -138,6 +143,7 @@ class Turn:
     tokens: int
     cached: int
     prompt: int
+    answer: list[int]  # the generated ids (logprobs spelled as ids): the next turn's prompt carries them
 
     @property
     def decode_rate(self) -> float:
@@ -146,11 +152,15 @@ class Turn:
 
 async def complete(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
                    ) -> Turn:
+    """One streamed completion of raw ids, greedy; its answer's ids come back through logprobs spelled as ids
+    (vLLM's return_tokens_as_token_ids)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True,
             "stream": True, "stream_options": {"include_usage": True}}
     started = time.monotonic()
     first = None
     tokens = cached = prompt_tokens = 0
+    answer: list[int] = []
     async with session.post(url + "/v1/completions", data=orjson.dumps(body),
                             headers={"content-type": "application/json"}) as resp:
         if resp.status != 200:
@@ -163,13 +173,17 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, prompt:
             if event.get("choices") and event["choices"][0].get("text") is not None:
                 first = first or time.monotonic()
                 tokens += 1
+                lps = event["choices"][0].get("logprobs") or {}
+                answer += [int(t.removeprefix("token_id:")) for t in lps.get("tokens", [])]
             usage = event.get("usage")
             if usage:
                 tokens = usage.get("completion_tokens", tokens)
                 prompt_tokens = usage.get("prompt_tokens", 0)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     done = time.monotonic()
-    return Turn((first or done) - started, done - started, tokens, cached, prompt_tokens)
+    if len(answer) != tokens:  # an id that makes no text (a control token) is not reported
+        log(f"warning: {len(answer)} of the answer's {tokens} ids came back: the next turn will miss its snapshot")
+    return Turn((first or done) - started, done - started, tokens, cached, prompt_tokens, answer)
 
 
 def kill(mesh: Mesh, service: str) -> None:
@@ -207,6 +221,9 @@ async def wait_ready(url: str, timeout: float = 600.0) -> None:
 
 
 async def drive(args: argparse.Namespace, mesh: Mesh, model: str, block: int) -> dict[str, list[Turn]]:
+    """The conversation's turns: each follow-up's prompt is the previous prompt, its answer and a new user turn
+    (`1 - cached` of `prompt-tokens`), so its cached part is the previous turn's end: the full blocks and the
+    short-term snapshot decode saved there."""
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:
@@ -214,34 +231,37 @@ async def drive(args: argparse.Namespace, mesh: Mesh, model: str, block: int) ->
 
     n = args.prompt_tokens
     new = max(1, round(n * (1 - args.cached)))
-    a = tokens(n - new)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     results: dict[str, list[Turn]] = {}
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        async def one(name: str, prompt: list[int]) -> None:
+        async def one(name: str, prompt: list[int]) -> list[int]:
+            """The turn's prompt followed by its answer (what the next turn starts with)."""
             turn = await complete(session, mesh.base_url, model, prompt, args.max_tokens)
             results.setdefault(name, []).append(turn)
             log(f"{name}: TTFT {turn.ttft * 1e3:,.0f} ms, {turn.cached:,} of {turn.prompt:,} cached, "
                 f"{turn.decode_rate:.1f} tok/s")
+            return prompt + turn.answer
 
         await one("warm-up (short)", tokens(block * 2))
         for _ in range(args.rounds):
-            a = tokens(n - new)
-            await one("cold", a + tokens(new))
-            await one("own cache", a + tokens(new))
+            # the first turn: 77K tokens less the follow-up's new turn and this answer, nobody has seen them
+            history = await one("cold", tokens(n - new - args.max_tokens))
+            shared = list(history)
+            history = await one("follow-up: own cache", history + tokens(new))
             await asyncio.to_thread(kill, mesh, "prefill")
             await wait_ready(mesh.base_url)
-            await one("RAM tier", a + tokens(new))
+            history = await one("follow-up: RAM tier", history + tokens(new))
             await asyncio.to_thread(kill, mesh, "kvcache")
             await asyncio.to_thread(kill, mesh, "prefill")
             await wait_ready(mesh.base_url)
-            await one("SSD tier", a + tokens(new))
-            # full blocks of A only, ending where no snapshot was taken: the rings come from the bounded replay
-            cut = ((n - new) // block - 1) * block
-            await one("replay", a[:cut] + tokens(new))
-        turns = await asyncio.gather(*(complete(session, mesh.base_url, model, a + tokens(new), args.max_tokens)
-                                       for _ in range(args.streams)))
-        results[f"{args.streams} streams"] = list(turns)
+            history = await one("follow-up: SSD tier", history + tokens(new))
+            # another branch off the first turn: its full blocks up to a point where no snapshot was taken,
+            # so the rings come from the bounded replay
+            cut = (len(shared) // block - 1) * block
+            await one("branch: replay", shared[:cut] + tokens(new))
+        turns = await asyncio.gather(*(complete(session, mesh.base_url, model, history + tokens(new),
+                                                args.max_tokens) for _ in range(args.streams)))
+        results[f"{args.streams} streams (follow-ups)"] = list(turns)
         log(f"{args.streams} streams: " + ", ".join(f"{t.decode_rate:.1f}" for t in turns) + " tok/s per stream")
     return results
 
@@ -293,7 +313,8 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    context = args.prompt_tokens + args.max_tokens + 1024
+    # the last turns: the first prompt, three follow-ups' new turns and four answers, then one more
+    context = round(args.prompt_tokens * (1 + 4 * (1 - args.cached))) + 5 * args.max_tokens + 1024
     if args.model:
         model_dir = args.model
     elif args.load_format == "dummy":

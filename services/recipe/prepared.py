@@ -56,6 +56,7 @@ class InferenceSpec:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as `token_id:N` (vLLM's), bytes still the token's
     # OpenAI's sampling fields the reference passes on to its backend (convert/fields.py reads them)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -63,6 +63,13 @@ def test_sampling_extensions_reach_the_sampling_params() -> None:
                                     ignore_eos=True)
 
 
+def test_tokens_as_token_ids_is_read_by_chat_and_completions() -> None:
+    for convert_one in (chat, completions):
+        assert convert_one(logprobs=1 if convert_one is completions else True,
+                           return_tokens_as_token_ids=True).inference.return_tokens_as_token_ids
+        assert not convert_one().inference.return_tokens_as_token_ids
+
+
 def test_penalties_and_logit_bias_reach_the_sampling_params() -> None:
     fields = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "logit_bias": {"42": -100, "7": 2.5}}
     for prepared in (chat(max_tokens=10, **fields), completions(max_tokens=10, **fields)):
@@ -115,6 +122,7 @@ def test_top_k_off_is_minus_one_or_zero(top_k: int, sent: int) -> None:
     ("top_k", -2), ("top_k", 1.5), ("top_k", "5"), ("top_k", 1 << 31), ("min_p", -0.1), ("min_p", 1.5),
     ("min_p", "0.1"), ("repetition_penalty", 0), ("repetition_penalty", -1), ("repetition_penalty", float("inf")),
     ("min_tokens", -1), ("min_tokens", 2.5), ("ignore_eos", 1), ("ignore_eos", "true"),
+    ("return_tokens_as_token_ids", 1), ("return_tokens_as_token_ids", "yes"),
 ])
 def test_bad_extension_values_are_refused_by_name(field: str, value: Any) -> None:
     for api, body in (("chat", {"model": SMOL, "messages": [USER]}), ("completions", {"model": SMOL, "prompt": "a"})):

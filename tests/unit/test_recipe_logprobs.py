@@ -21,10 +21,11 @@ TABLE = TokenTable(token_bytes=(b"Hi", b" there", b"!", b"", b" \xf0\x9f", b"\x9
                    eos_ids=frozenset({3}), special_ids=frozenset({3, 6}))
 
 
-def prepared(api: str, *, stream: bool, stop: list[str] | None = None) -> PreparedRequest:
+def prepared(api: str, *, stream: bool, stop: list[str] | None = None, as_ids: bool = False) -> PreparedRequest:
     return PreparedRequest(api=api, model="m", encoding="chat_template", stream=stream,  # type: ignore[arg-type]
                            include_usage=False, conversation=None,
-                           inference=InferenceSpec(None, None, None, logprobs=True, top_logprobs=2),
+                           inference=InferenceSpec(None, None, None, logprobs=True, top_logprobs=2,
+                                                   return_tokens_as_token_ids=as_ids),
                            parsing=ParsingSpec(stop_sequences=stop or []), echo={}, extra={})
 
 
@@ -34,9 +35,10 @@ def lp(i: int, tid: int) -> TokenLogprob:
 
 
 def run(api: str, chunks: list[list[int]], *, stream: bool, stop: list[str] | None = None,
-        missing: int = -1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        missing: int = -1, as_ids: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Stream chunks' data and the body; chunk `missing` comes without logprobs."""
-    p = OutputProcessor(prepared(api, stream=stream, stop=stop), response_id="rid", created=7, tokens=TABLE)
+    p = OutputProcessor(prepared(api, stream=stream, stop=stop, as_ids=as_ids), response_id="rid", created=7,
+                        tokens=TABLE)
     events = p.push(Ready(3))
     pos = 0
     for n, ids in enumerate(chunks):
@@ -128,3 +130,18 @@ def test_responses_output_text_deltas_and_the_part_carry_them() -> None:
     assert completed["response"]["output"][0]["content"][0]["logprobs"] == done["logprobs"]
     _, whole = run("responses", [[0], [1, 2]], stream=False)
     assert whole["output"][0]["content"][0]["logprobs"] == done["logprobs"]
+
+
+def test_tokens_as_token_ids_spell_each_id_and_keep_its_bytes() -> None:
+    """vLLM's return_tokens_as_token_ids: a client gets the generated ids back exactly (a follow-up turn can
+    send the answer as ids); offsets and bytes still come from the tokens' own bytes."""
+    _, body = run("completions", [[0, 1], [4], [5, 2]], stream=False, as_ids=True)
+    lps = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == "Hi there 😀!"
+    assert lps["tokens"] == ["token_id:0", "token_id:1", "token_id:4", "token_id:5", "token_id:2"]
+    assert lps["text_offset"] == [0, 2, 8, 9, 10]
+    assert lps["top_logprobs"][0] == {"token_id:0": -0.5, "token_id:2": -4.0}
+    chunks, _ = run("chat", [[0, 1], [7]], stream=True, as_ids=True)
+    first = chunks[1]["choices"][0]["logprobs"]["content"][0]
+    assert first["token"] == "token_id:0" and first["bytes"] == [72, 105]
+    assert first["top_logprobs"][1] == {"token": "token_id:2", "logprob": -4.0, "bytes": [33]}

@@ -3,7 +3,8 @@ name rather than drop. `apply` runs on a request the API's converter has accepte
 reference makes comes first and a request it refuses is still refused in its words.
 
     honoured   chat: max_completion_tokens (the smaller of it and max_tokens), presence_penalty,
-               frequency_penalty, logit_bias, top_k, min_p, repetition_penalty, min_tokens, ignore_eos;
+               frequency_penalty, logit_bias, top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+               return_tokens_as_token_ids (logprobs' tokens spelled `token_id:N`, as vLLM's);
                completions: the same but max_completion_tokens;  messages: top_k (Anthropic's own);
                responses: `include: ["message.output_text.logprobs"]` asks for logprobs (OpenAI's way; the
                reference reports them for `top_logprobs` alone, and so do we)
@@ -36,7 +37,7 @@ from services.recipe.prepared import Api, PreparedRequest
 INT32_LIMIT = 1 << 31  # top_k at or above the vocabulary is no filter: the bound only keeps ints int32
 MAX_LOGIT_BIAS = 1024  # entries: ours (OpenAI's documented bound is on the values only); each one costs every step
 _OPENAI_SAMPLING = ("presence_penalty", "frequency_penalty", "logit_bias")
-_VLLM = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
+_VLLM = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "return_tokens_as_token_ids")
 HONOURED: dict[Api, tuple[str, ...]] = {
     "chat": ("max_completion_tokens", *_OPENAI_SAMPLING, *_VLLM),
     "completions": (*_OPENAI_SAMPLING, *_VLLM),
@@ -83,6 +84,7 @@ EXTENSIONS: dict[str, Callable[[str, Any], Any]] = {
     "repetition_penalty": lambda n, v: _number(n, v, lambda x: x > 0.0, "(0, inf), 1 = off"),
     "min_tokens": lambda n, v: _int(n, v, 0, INT32_LIMIT - 1, "[0, max_tokens]"),
     "ignore_eos": _bool,
+    "return_tokens_as_token_ids": _bool,
 }
 
 
@@ -194,7 +196,6 @@ _OPENAI: dict[str, tuple[Neutral, str]] = {
     "prompt_logprobs": (_none, LOGPROBS),
     "truncate_prompt_tokens": (_none, "prompts are never truncated; a prompt too long is refused"),
     "logits_processors": (_none, "custom logits processors are not served"),
-    "return_tokens_as_token_ids": (_false, "tokens are returned as text"),
 }
 REFUSED: dict[Api, dict[str, tuple[Neutral, str]]] = {
     "chat": {

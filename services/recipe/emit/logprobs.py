@@ -63,10 +63,13 @@ def spell(raw: bytes) -> str:
 
 
 class Speller:
-    """id -> (token, bytes), cached: the top ids repeat across positions."""
+    """id -> (token, bytes), cached: the top ids repeat across positions. `as_ids` (vLLM's
+    return_tokens_as_token_ids): the token is spelled `token_id:N`, so a client gets the ids back exactly; the
+    bytes stay the token's own (text offsets are counted from them)."""
 
-    def __init__(self, table: TokenTable) -> None:
+    def __init__(self, table: TokenTable, as_ids: bool = False) -> None:
         self._table = table
+        self._as_ids = as_ids
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, tid: int) -> tuple[str, bytes]:
@@ -79,17 +82,17 @@ class Speller:
                 raw = bytes(self._table.token_bytes[tid])
             else:  # an id past the vocabulary (padded logits) stands for nothing
                 raw = b""
-            hit = self._cache[tid] = (spell(raw), raw)
+            hit = self._cache[tid] = (f"token_id:{tid}" if self._as_ids else spell(raw), raw)
         return hit
 
 
 class LogprobTrack:
     """One request's entries, from the ids fed to the pieces the parser reports text for."""
 
-    def __init__(self, table: TokenTable, pieces: TokenPieces, *, once: bool) -> None:
+    def __init__(self, table: TokenTable, pieces: TokenPieces, *, once: bool, as_ids: bool = False) -> None:
         """`pieces`: the request's detokenizer (which ids make no piece); `once`: a piece's entries go out on
-        its first text delta only (see the module docstring)."""
-        self._spell = Speller(table)
+        its first text delta only (see the module docstring); `as_ids`: Speller's."""
+        self._spell = Speller(table, as_ids)
         self._pieces = pieces
         self._once = once
         # entries of ids fed and not yet in a piece (a held character); None for an id that came without one

@@ -119,6 +119,7 @@ class OutputProcessor:
         self._fed = False
         self._pieces = TokenPieces(tokens, skip_special=plain) if tokens is not None else None
         self._table = tokens
+        self._as_ids = prepared.inference.return_tokens_as_token_ids
         self._track: LogprobTrack | None = None  # from the first Tokens chunk with logprobs
         # With ignore_eos the engine goes on past an end-of-sentence id, and so does the answer.
         self._eos = tokens.eos_ids if tokens is not None and not prepared.inference.ignore_eos else frozenset()
@@ -209,7 +210,7 @@ class OutputProcessor:
     def _logprobs(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
         if self._track is None:
             assert self._table is not None and self._pieces is not None
-            self._track = LogprobTrack(self._table, self._pieces, once=self._plain)
+            self._track = LogprobTrack(self._table, self._pieces, once=self._plain, as_ids=self._as_ids)
         self._track.feed(ids, logprobs)
 
     def _feed(self, pieces: list, out: list[StreamEvent]) -> None:
