@@ -181,13 +181,27 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, prompt:
                 prompt_tokens = usage.get("prompt_tokens", 0)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     done = time.monotonic()
-    if len(answer) != tokens:  # an id that makes no text (a control token) is not reported
+    if len(answer) != tokens:  # ids after the answer's last text (control tokens) are not reported
         log(f"warning: {len(answer)} of the answer's {tokens} ids came back: the next turn will miss its snapshot")
     return Turn((first or done) - started, done - started, tokens, cached, prompt_tokens, answer)
 
 
+def settled(mesh: Mesh, timeout: float = 120.0) -> None:
+    """Wait until the prefill worker has stored every prompt it computed (its log's "stored" lines): a kill
+    measures the tiers behind it, not the loss of the stores still in flight."""
+    logfile = mesh.state_dir / "logs" / "prefill-0.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = logfile.read_text(errors="replace") if logfile.exists() else ""
+        if text.count(": stored ") >= text.count(" prompt tokens, "):
+            return
+        time.sleep(0.2)
+    log("warning: the prefill worker's stores did not settle")
+
+
 def kill(mesh: Mesh, service: str) -> None:
     """SIGKILL one service of the mesh (the launcher restarts it), then wait for its new process to load."""
+    settled(mesh)
     marker = f"services.{service}"
     old = [p for p in pids_mentioning(str(mesh.state_dir)) if marker in Path(f"/proc/{p}/cmdline").read_text()]
     logfile = mesh.state_dir / "logs" / f"{service}-0.log"

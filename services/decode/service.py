@@ -7,12 +7,15 @@ positions starting at `output_offset`. The worker
 imports what it can get (a missing block means the rest is recomputed here, never a failure), joins the request
 to the running batch, and publishes each step's tokens on the request's token stream at their output positions.
 When the request ends it stores the output's full blocks and a snapshot at the output's end, so the next turn
-of the conversation finds both (shared/worker/short_term.py).
+of the conversation finds both (shared/worker/short_term.py); the answer's end (its finish reason) goes out once
+that store is in, so a follow-up sent the moment the answer ends finds them too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from collections import Counter
 
@@ -28,6 +31,7 @@ from shared.worker.config import WorkerConfig
 from shared.worker.service import EngineRequest, EngineWorker
 
 log = logging.getLogger(__name__)
+END_AFTER_STORE_S = 2.0  # the longest a finished answer waits for its KV store before it ends
 
 
 class DecodeService(EngineWorker):
@@ -49,6 +53,7 @@ class DecodeService(EngineWorker):
         await self.publish_tokens(TokenEvent(req.request_id, req.output_offset, [job.first_token],
                                              prompt_tokens=len(prompt), cached_tokens=job.cached_tokens,
                                              migration=req.migration, logprobs=job.first_logprobs), env)
+        started = time.monotonic()
         blobs, snap = await self._prompt_kv(job)
         prefix_tokens, state = len(blobs) * layout.block_tokens, b""
         if len(blobs) == len(job.block_hashes):
@@ -82,8 +87,10 @@ class DecodeService(EngineWorker):
         )
         index = req.output_offset + 1
         finish_reason = None
+        pulled, first_step = time.monotonic(), 0.0
         try:
             async for out in self.engine.generate(engine_req):
+                first_step = first_step or time.monotonic()
                 # imported at admission: let the views go now, so the store's or the peer's shared memory comes
                 # back to its owner (its `done`) during the decode, not after it
                 blobs.clear()
@@ -91,17 +98,30 @@ class DecodeService(EngineWorker):
                     continue
                 finish_reason = out.finish_reason
                 tokens += out.token_ids
-                await self.publish_tokens(
-                    TokenEvent(req.request_id, index, list(out.token_ids), finish_reason=out.finish_reason,
-                               migration=req.migration, logprobs=list(out.logprobs or [])), env
-                )
-                index += len(out.token_ids)
-            if finish_reason is not None:  # the next turn starts with this one: keep its KV findable
+                if out.token_ids:  # the end itself goes out after the store below
+                    await self.publish_tokens(
+                        TokenEvent(req.request_id, index, list(out.token_ids), migration=req.migration,
+                                   logprobs=list(out.logprobs or [])), env
+                    )
+                    index += len(out.token_ids)
+            done = time.monotonic()
+            if finish_reason is not None:
+                log.info("%s: prompt KV (%d tokens%s) in %.0f ms, first step %.0f ms later, %d tokens in %.0f ms",
+                         req.request_id, prefix_tokens, " + snapshot" if state else "", 1e3 * (pulled - started),
+                         1e3 * (first_step - pulled), index - req.output_offset - 1, 1e3 * (done - first_step))
+                # the next turn starts with this one: keep its KV findable
                 ns = hashing.namespace(layout.cache_id, req.cache_salt)
                 computed = tokens[:-1]  # the last token was sampled, never computed
                 hashes = hashing.block_hashes(computed, ns, layout.block_tokens)
                 stored = prefix_tokens // layout.block_tokens
-                await self.transfer.store_kv(req.request_id, computed, ns, hashes, stored)
+                store = asyncio.ensure_future(self.transfer.store_kv(req.request_id, computed, ns, hashes, stored))
+                # The client's answer ends once the store has this turn's end (or after END_AFTER_STORE_S: a slow
+                # store must not hold it): a follow-up sent the moment the answer ends (an agent's next call) finds
+                # the snapshot, instead of rebuilding the rings by the bounded replay (seconds on a long prompt).
+                await asyncio.wait({store}, timeout=END_AFTER_STORE_S)
+                await self.publish_tokens(TokenEvent(req.request_id, index, [], finish_reason=finish_reason,
+                                                     migration=req.migration), env)
+                await store
         finally:
             await self.engine.release(req.request_id)
         if finish_reason is None:

@@ -51,7 +51,9 @@ class PrefillService(EngineWorker):
         block = layout.block_tokens
         ns = hashing.namespace(layout.cache_id, req.cache_salt)
         hashes = hashing.block_hashes(prompt, ns, block)
+        started = time.monotonic()
         prefix, prefix_tokens, state = await self._restore(prompt, ns, hashes)
+        restored = time.monotonic()
         if self.cancelled(req.request_id):
             return  # the client left while the prefix was fetched: nothing is in the engine yet
         engine_req = EngineRequest(
@@ -74,6 +76,10 @@ class PrefillService(EngineWorker):
                     first = out
             if first is None:
                 return  # cancelled: the client is gone, nothing to hand over
+            computed = time.monotonic()
+            log.info("%s: %d prompt tokens, %d cached (%d from the store%s): restore %.0f ms, compute %.0f ms",
+                     req.request_id, len(prompt), first.num_cached_tokens, prefix_tokens,
+                     " + snapshot" if state else "", 1e3 * (restored - started), 1e3 * (computed - restored))
             token = first.token_ids[0]
             # The engine ran with max_new_tokens=1, so it says "length" unless the token itself ends the request.
             left = req.remaining_tokens
@@ -126,7 +132,7 @@ class PrefillService(EngineWorker):
         assert self.transfer is not None
         started = time.monotonic()
         key = await self.transfer.store_kv(request_id, prompt, ns, hashes, stored, exported)
-        log.debug("%s: stored %d blocks in %.3fs", request_id, len(hashes) - stored, time.monotonic() - started)
+        log.info("%s: stored %d blocks in %.0f ms", request_id, len(hashes) - stored, 1e3 * (time.monotonic() - started))
         return key
 
     async def _hand_over(self, req: GenerateRequest, token: int, hashes: list[bytes], key: bytes, cached: int,

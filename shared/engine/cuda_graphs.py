@@ -104,6 +104,14 @@ class DecodeGraphs:
         graph.replay()
         return logits[:S]
 
+    def warm_up(self) -> int:
+        """Capture every (batch, context) bucket now, largest first (V4DecodeGraphs.warm_up's reasons)."""
+        todo = [(B, C) for B in reversed(self.sizes) for C in reversed(self.context_buckets)
+                if (B, C) not in self.graphs]
+        for B, C in todo:
+            self.graphs[B, C] = self._capture(B, C)
+        return len(todo)
+
     def bucket(self, S: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, S)]
 

@@ -601,6 +601,13 @@ class Engine:
         pool = memory.kv_pool_bytes(memory.probe(self.device, peak), utilization, state)
         return max(1, pool // self.spec.bytes_per_block)
 
+    def warm_up(self) -> int:
+        """Capture every decode CUDA graph bucket now (a decode worker, before it takes requests): captured on
+        first use instead, each new (batch, context) bucket stalls the running streams while it is captured.
+        Returns the graphs captured (0 without graphs, e.g. on a CPU)."""
+        graphs = self.runner.graphs
+        return graphs.warm_up() if graphs is not None else 0
+
     def memory(self) -> memory.MemoryReport:
         """Weights, KV pool and the tokens of context it holds (the worker logs it once, at load)."""
         state = 2 * self.max_running * self.spec.per_request_state_bytes if self.has_request_state else 0

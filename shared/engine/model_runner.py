@@ -33,7 +33,7 @@ class ModelRunner:
         max_tokens: int = 0, graph_sizes: tuple[int, ...] = (), max_rows: int = 1, keep_hidden: bool = False,
     ) -> None:
         """batched: build the packed device metadata (the Triton ops need it); graph_sizes: decode batch
-        sizes to capture CUDA graphs for (lazily, on first use), each sequence up to max_tokens long;
+        sizes to capture CUDA graphs for (on first use, or all at once: Engine.warm_up), each sequence up to max_tokens long;
         max_rows: most sampled rows in one step (the size of `fed`); keep_hidden: every step leaves its hidden
         rows in `hidden` as a tensor of its own (a drafter reads them after the next step may have run)."""
         self.model = model

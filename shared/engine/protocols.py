@@ -68,6 +68,8 @@ class DecodeGraphRunner(Protocol):
 
     def run(self, chunks: list) -> torch.Tensor: ...  # (S, V) float32 logits
 
+    def warm_up(self) -> int: ...  # capture every bucket now; how many were captured
+
 
 @runtime_checkable
 class GraphsDecode(Protocol):

@@ -168,6 +168,11 @@ class EngineWorker(ABC):
             self._status = f"failed to load model: {exc}"
             os.kill(os.getpid(), signal.SIGTERM)  # a worker without a model has nothing to offer: exit
             return
+        if self.role == "decode":  # prefill never decodes: its engine keeps none
+            captured = time.monotonic()
+            graphs = await asyncio.to_thread(engine.warm_up)
+            if graphs:
+                log.info("captured %d decode CUDA graphs in %.1fs", graphs, time.monotonic() - captured)
         self.use_engine(AsyncEngine(engine))
         assert self.engine is not None
         await self._publish_kv_events(engine, self.engine)

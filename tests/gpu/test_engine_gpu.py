@@ -45,6 +45,20 @@ def test_graphs_match_eager_and_torch_ops(model) -> None:
     assert graphs.runner.graphs is not None and len(graphs.runner.graphs.graphs) >= 2
 
 
+def test_warmed_up_graphs_change_nothing(model) -> None:
+    """Every (batch, context) bucket captured before any request (Engine.warm_up): the same tokens as eager, and
+    serving captures no more."""
+    ps = prompts(10, 1)
+    engine = Engine(model, device="cuda", kv_blocks=2048, max_running=16)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    buckets = len(graphs.sizes) * len(graphs.context_buckets)
+    assert engine.warm_up() == buckets
+    eager = Engine(model, device="cuda", kv_blocks=2048, max_running=16, cuda_graphs=False)
+    assert run_to_completion(engine, reqs(ps, 8)) == run_to_completion(eager, reqs(ps, 8))
+    assert len(graphs.graphs) == buckets
+
+
 def test_long_context_split_decode_matches_torch_ops(model) -> None:
     """Contexts over several 256-token partitions of the split decode kernel, fp32 end to end."""
     m32 = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=2)

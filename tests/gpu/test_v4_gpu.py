@@ -43,6 +43,20 @@ def test_cuda_graphs_change_nothing(hub: Path) -> None:
     assert all(len(t) == 16 for t in bf16.values())
 
 
+def test_warmed_up_graphs_are_every_bucket_and_change_nothing(hub: Path) -> None:
+    """Engine.warm_up (a decode worker at start-up) captures every (batch, context) bucket before any request,
+    writes nothing a request reads (its capture runs on padding rows), and serving afterwards captures none."""
+    eager = run_to_completion(Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, cuda_graphs=False),
+                              _requests())
+    engine = Engine(str(hub), device="cuda", dtype=torch.float32, kv_blocks=64, max_running=4)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    buckets = len(graphs.sizes) * len(graphs.contexts)
+    assert engine.warm_up() == buckets == len(graphs.graphs) and engine.warm_up() == 0
+    assert run_to_completion(engine, _requests()) == eager
+    assert len(graphs.graphs) == buckets
+
+
 def test_cuda_graphs_count_experts_as_eager_steps_do(hub: Path) -> None:
     """The per-expert routing counts (expert placement's input) from decode steps replayed from CUDA graphs equal
     the eager steps' (the graphs' padding rows, and their warm-up and capture, are not counted)."""

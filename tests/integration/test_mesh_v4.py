@@ -290,39 +290,19 @@ def test_responses_api(oai: openai.OpenAI) -> None:
     assert done.usage.output_tokens == response.usage.output_tokens
 
 
-def test_a_follow_up_turn_resumes_from_the_previous_turns_end(oai: openai.OpenAI, mesh: Mesh) -> None:
-    """The decode worker stores the output's blocks and a snapshot (partial block + rings) at its end; the next
-    turn, whose prompt starts with the whole first turn, computes only what is new."""
-    import asyncio
+def test_a_follow_up_turn_resumes_from_the_previous_turns_end(oai: openai.OpenAI) -> None:
+    """The decode worker stores the output's blocks and a snapshot (partial block + rings) at its end, before the
+    answer ends; the next turn, whose prompt starts with the whole first turn and is sent the moment the first
+    answer ends (an agent's next call), computes only what is new. The answer's ids come back through logprobs
+    spelled as ids (vLLM's return_tokens_as_token_ids)."""
     import random
-
-    from shared import subjects
-    from shared.bus import Bus
-    from shared.schemas.generate import TokenEvent
 
     rng = random.Random(5)
     turn1 = [rng.randrange(1000, 100_000) for _ in range(300)]
-    events: list[TokenEvent] = []
-
-    async def first_turn() -> Any:
-        bus = await Bus.connect(mesh.nats_url, "test-tokens")
-
-        async def on_event(event: TokenEvent, _env: Any) -> None:
-            events.append(event)
-
-        await bus.subscribe("tokens.>", TokenEvent, on_event)
-        try:
-            return await asyncio.to_thread(oai.completions.create, model=MODEL, prompt=turn1, max_tokens=20,
-                                           temperature=0.0)
-        finally:
-            await asyncio.sleep(0.5)
-            await bus.drain()
-
-    first = asyncio.run(first_turn())
-    rid = first.id.removeprefix("cmpl-")
-    # by output position, once each: decode sends prefill's token again (the recipe drops repeats by index)
-    by_index = {e.index: e for e in reversed([e for e in events if e.request_id == rid])}
-    output = [t for _, e in sorted(by_index.items()) for t in e.token_ids]
+    first = oai.completions.create(model=MODEL, prompt=turn1, max_tokens=20, temperature=0.0, logprobs=0,
+                                   extra_body={"return_tokens_as_token_ids": True})
+    assert first.choices[0].logprobs is not None
+    output = [int(t.removeprefix("token_id:")) for t in first.choices[0].logprobs.tokens]
     assert len(output) == first.usage.completion_tokens > 1
     follow = turn1 + output + [rng.randrange(1000, 100_000) for _ in range(30)]
     second = oai.completions.create(model=MODEL, prompt=follow, max_tokens=4, temperature=0.0)

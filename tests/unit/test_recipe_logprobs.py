@@ -145,3 +145,15 @@ def test_tokens_as_token_ids_spell_each_id_and_keep_its_bytes() -> None:
     first = chunks[1]["choices"][0]["logprobs"]["content"][0]
     assert first["token"] == "token_id:0" and first["bytes"] == [72, 105]
     assert first["top_logprobs"][1] == {"token": "token_id:2", "logprob": -4.0, "bytes": [33]}
+
+
+def test_tokens_as_token_ids_report_the_ids_that_make_no_text_on_the_next_delta() -> None:
+    """A control token makes no text: as ids its entry rides on the next text delta, so the client still gets
+    every id of the answer up to its last text (without as_ids it is not reported, as OpenAI reports text)."""
+    _, body = run("completions", [[0], [6], [1]], stream=False, as_ids=True)
+    assert body["choices"][0]["logprobs"]["tokens"] == ["token_id:0", "token_id:6", "token_id:1"]
+    chunks, _ = run("completions", [[0], [6], [1]], stream=True, as_ids=True)
+    streamed = [t for c in chunks if c["choices"][0]["text"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == ["token_id:0", "token_id:6", "token_id:1"]
+    _, plain = run("completions", [[0], [6], [1]], stream=False)
+    assert plain["choices"][0]["logprobs"]["tokens"] == ["Hi", " there"]

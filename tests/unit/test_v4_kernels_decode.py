@@ -241,7 +241,7 @@ def test_decode_graph_inputs_and_padding_give_the_forwards_step(tmp_path: Path) 
     assert int(want_counts.sum()) == len(rows) * st.model.spec.experts_per_token * st.model.spec.num_layers
     assert torch.equal(st.model.expert_counts - counted, want_counts)  # the three padding rows are not counted
     for a, b in zip(_without_scratch(kv), want_cache):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # fp32 sums in another order
     assert [kv.states[rid].length for rid, _ in rows] == [p + 1 for _, p in rows]
     assert not graphs.fits([SimpleNamespace(**{**vars(chunks[0]), "num_tokens": 2})])  # a prefill chunk
 

@@ -86,6 +86,12 @@ class Speller:
         return hit
 
 
+class _Dropped(NamedTuple):
+    """The entry of an id that makes no piece (as ids only): it goes with the next piece's entries."""
+
+    entry: Entry
+
+
 class LogprobTrack:
     """One request's entries, from the ids fed to the pieces the parser reports text for."""
 
@@ -93,10 +99,14 @@ class LogprobTrack:
         """`pieces`: the request's detokenizer (which ids make no piece); `once`: a piece's entries go out on
         its first text delta only (see the module docstring); `as_ids`: Speller's."""
         self._spell = Speller(table, as_ids)
+        # as_ids: the entries of a piece that yields no text ride on the next text delta, so every id a client
+        # can see is reported (ids after the answer's last text are not: no delta carries them)
+        self._carry: list[Entry] | None = [] if as_ids else None
+        self._reported: set[int] = set()
         self._pieces = pieces
         self._once = once
         # entries of ids fed and not yet in a piece (a held character); None for an id that came without one
-        self._pending: deque[Entry | None] = deque()
+        self._pending: deque[Entry | _Dropped | None] = deque()
         self._by_piece: dict[int, list[Entry]] = {}  # parser piece index -> its entries
 
     def feed(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> None:
@@ -106,7 +116,8 @@ class LogprobTrack:
         if logprobs is None or len(logprobs) != len(token_ids):
             self._pending.extend(None for tid in token_ids if not drops(tid))
             return
-        kept = [(tid, lp) for tid, lp in zip(token_ids, logprobs) if not drops(tid)]
+        # as ids, an id that makes no piece is reported too: with the piece that follows it
+        kept = [(tid, lp) for tid, lp in zip(token_ids, logprobs) if self._carry is not None or not drops(tid)]
         nums = iter(numbers([v for _, lp in kept for v in (lp.logprob, *lp.top_logprobs)]))
         spell_id = self._spell
         for tid, lp in kept:
@@ -114,25 +125,40 @@ class LogprobTrack:
             value = next(nums)
             top = tuple(Alt(alt, next(nums), alt_raw)
                         for alt, alt_raw in map(spell_id, lp.top_ids[: len(lp.top_logprobs)]))
-            self._pending.append(Entry(token, value, raw, top))
+            entry = Entry(token, value, raw, top)
+            self._pending.append(_Dropped(entry) if drops(tid) else entry)
 
     def pieces(self, first: int, counts: Sequence[int]) -> None:
         """The detokenizer made pieces `first`, `first + 1`, ... of `counts[i]` ids each."""
         pending = self._pending
         for i, n in enumerate(counts):
-            taken = [pending.popleft() for _ in range(n)]
-            self._by_piece[first + i] = [e for e in taken if e is not None]
+            taken: list[Entry] = []
+            while n:  # an id that made no piece (as ids) before or among them goes with them
+                e = pending.popleft()
+                if isinstance(e, _Dropped):
+                    taken.append(e.entry)
+                    continue
+                n -= 1
+                if e is not None:
+                    taken.append(e)
+            self._by_piece[first + i] = taken
 
     def entries(self, piece: int) -> list[Entry]:
         """The entries a text delta of `piece` carries."""
-        if self._once:
-            return self._by_piece.pop(piece, [])
-        return self._by_piece.get(piece, [])
+        got = self._by_piece.pop(piece, []) if self._once else self._by_piece.get(piece, [])
+        if self._carry is not None:
+            self._reported.add(piece)
+            if self._carry:
+                got, self._carry = self._carry + got, []
+        return got
 
     def release(self, before: int) -> None:
         """Pieces before `before` are parsed: their deltas are out."""
         for piece in [p for p in self._by_piece if p < before]:
-            del self._by_piece[piece]
+            left = self._by_piece.pop(piece)
+            if self._carry is not None and piece not in self._reported:
+                self._carry += left
+        self._reported = {p for p in self._reported if p >= before}
 
 
 # --- the APIs' shapes -----------------------------------------------------------------------------------------
