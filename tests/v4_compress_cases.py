@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from shared.engine.kv_quant import Fp8Rows, RowLayout, quantize
+from shared.engine.models.deepseek_v4 import decode
 from shared.engine.models.deepseek_v4.decode import DecodeBatch
 from shared.engine.models.deepseek_v4.rope import inv_freq
 from shared.engine.models.deepseek_v4.weights import Compressor
@@ -22,8 +24,8 @@ Row = tuple[int, int, int, int]  # slot, position p, begin, frozen
 @dataclass
 class CompressCase:
     c: Compressor
-    att: SimpleNamespace  # .rope_compress.inv_freq, .spec.rms_eps
-    kv: SimpleNamespace  # .block_tokens
+    att: Any  # stands in for Attention: .rope_compress.inv_freq, .spec.rms_eps
+    kv: Any  # for V4Cache: .block_tokens
     rings: tuple[torch.Tensor, torch.Tensor]
     new: tuple[torch.Tensor, torch.Tensor]
     b: DecodeBatch
@@ -32,6 +34,9 @@ class CompressCase:
 
     def state(self) -> list[torch.Tensor]:
         return [t.clone() for t in (*self.rings, self.store)]
+
+    def step(self, kernels: bool) -> None:
+        decode.compress(self.att, self.c, self.rings, self.new, self.b, self.store, self.kv, self.d, kernels)
 
 
 def batch(rows: list[Row], ratio: int, block_tokens: int, num_blocks: int, device: str,
@@ -58,7 +63,8 @@ def compress_case(rows: list[Row], ratio: int, overlap: bool, d: int, rope: int,
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    c = Compressor(None, None, torch.randn(ratio, C, generator=g).to(device),  # type: ignore[arg-type]
+    unused = torch.empty(0)  # the projections: this step's outputs of them are drawn instead
+    c = Compressor(unused, unused, torch.randn(ratio, C, generator=g).to(device),
                    (1 + 0.1 * torch.randn(d, generator=g)).to(device), ratio, overlap)
     att = SimpleNamespace(rope_compress=SimpleNamespace(inv_freq=inv_freq(rope, 160000.0, YARN).to(device)),
                           spec=SimpleNamespace(rms_eps=1e-6))
@@ -69,12 +75,15 @@ def compress_case(rows: list[Row], ratio: int, overlap: bool, d: int, rope: int,
 
 @dataclass
 class IndexCase:
-    att: SimpleNamespace  # .spec: index_head_dim, index_heads, index_topk
-    layer: SimpleNamespace  # .compressor.ratio
-    kv: SimpleNamespace  # .index_keys, .block_tokens
+    att: Any  # stands in for Attention: .spec.index_head_dim, index_heads, index_topk
+    layer: Any  # for Layer: .compressor.ratio
+    kv: Any  # for V4Cache: .index_keys, .block_tokens
     b: DecodeBatch
     iq: torch.Tensor  # (S, H, K)
     weights: torch.Tensor  # (S, H)
+
+    def select(self, kernels: bool) -> torch.Tensor:
+        return decode.select(self.att, 0, self.layer, self.b, self.kv, self.iq, self.weights, kernels)
 
 
 def index_case(positions: list[int], ratio: int, heads: int, dim: int, topk: int, dtype: torch.dtype, device: str,

@@ -41,7 +41,7 @@ CSA_ROWS = [(0, 3, 0, 0),  # closes window 0: window -1's Ca slots are before po
 
 
 def _run(case, kernels: bool) -> list[torch.Tensor]:
-    decode.compress(case.att, case.c, case.rings, case.new, case.b, case.store, case.kv, case.d, kernels)  # type: ignore[arg-type]
+    case.step(kernels)
     return case.state()
 
 
@@ -82,7 +82,7 @@ def test_large_positions_rotate_at_their_own_angle() -> None:
 def _select(case, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     m = case.layer.compressor.ratio
     E = case.b.max_context // m
-    ids = decode.select(case.att, 0, case.layer, case.b, case.kv, case.iq, case.weights, kernels)  # type: ignore[arg-type]
+    ids = case.select(kernels)
     spec = case.att.spec
     if kernels:
         from shared.engine.kernels.v4_index import index_scores

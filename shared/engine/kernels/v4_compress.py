@@ -121,13 +121,14 @@ def compress_update(kv_new: torch.Tensor, gate_new: torch.Tensor, kv_ring: torch
                     ape: torch.Tensor, norm: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor, begins: torch.Tensor, frozen: torch.Tensor, table: torch.Tensor,
                     store: torch.Tensor, ratio: int, overlap: bool, eps: float, block_tokens: int,
-                    block_l: int = 16, num_warps: int = 4) -> None:
+                    block_l: int = 16, num_warps: int | None = None) -> None:
     """One compressor's update for the step's S rows, in place (see the module docstring).
 
     kv_new, gate_new (S, C) this step's projections; kv_ring, gate_ring (slots, cap, C) the layer's ring pools;
     ape (m, C) float32; norm (d,) float32; inv_freq (rope / 2,) float32, the compressor's RoPE table
     (rope.py's Rotary.inv_freq); slots, positions, begins, frozen (S,) int64; table (S, NB) int64; store
-    (num_blocks, BT / m, d) in the compute dtype. No host reads: a CUDA graph can capture it."""
+    (num_blocks, BT / m, d) in the compute dtype. No host reads: a CUDA graph can capture it. num_warps: 8 for
+    entries of 512 channels (a (BLOCK_L, 256) tile per half and tensor), else 4 (a guess: not swept yet)."""
     S, C = kv_new.shape
     d = store.shape[-1]
     back = 1 if overlap else 0
@@ -136,12 +137,13 @@ def compress_update(kv_new: torch.Tensor, gate_new: torch.Tensor, kv_ring: torch
     assert kv_new.stride(-1) == 1 and gate_new.stride(-1) == 1 and ape.is_contiguous() and d % 2 == 0
     if S == 0:
         return
+    half_pad = triton.next_power_of_2(d // 2)
     _compress_kernel[(S,)](
         kv_new, gate_new, kv_ring, gate_ring, ape, norm, inv_freq, slots, positions, begins, frozen, table, store,
         eps, kv_ring.shape[1],
         kv_new.stride(0), gate_new.stride(0), kv_ring.stride(0), kv_ring.stride(1), table.stride(0),
         store.stride(0), store.stride(1),
-        D=d, HALF_PAD=triton.next_power_of_2(d // 2), C_PAD=triton.next_power_of_2(C), ROPE_HALF=inv_freq.numel(),
+        D=d, HALF_PAD=half_pad, C_PAD=triton.next_power_of_2(C), ROPE_HALF=inv_freq.numel(),
         M=ratio, BACK=back, BT=block_tokens, BLOCK_L=min(block_l, triton.next_power_of_2((1 + back) * ratio)),
-        num_warps=num_warps,
+        num_warps=num_warps or (8 if half_pad >= 256 else 4),
     )

@@ -7,9 +7,12 @@ shapes: a CUDA graph can capture it):
 
     1. rings: kv into swa[slot, p % cap]; the compressor's (and CSA's indexer's) projections into their rings
     2. rows whose window closes ((p + 1) % m == 0) build its entry (softmax(gate + ape) over m, CSA over 2m with
-       the Ca / Cb overlap) -> RMSNorm -> RoPE at w m -> the paged store; other rows write back what is there
+       the Ca / Cb overlap) -> RMSNorm -> RoPE at w m -> the paged store. Steps 1-2 of a compressor are one
+       Triton launch on the Triton path (kernels/v4_compress.py: open rows write nothing); the torch path
+       (the reference, and FP8 stores) writes back what is there for the open rows
     3. CSA: the indexer's scores over each row's visible index keys (padded to the batch's most, -inf past a
-       row's own), top-k -> (S, k) entry ids, -1 = none
+       row's own; on the Triton path one launch reading the keys through the block table, kernels/v4_index.py),
+       top-k -> (S, k) entry ids, -1 = none
     4. attention over the window ring + the compressed entries (HCA: all visible; CSA: the chosen ids), sinks
        in the softmax: one Triton launch (kernels/v4_decode.py) or the batched torch equivalent below; FP8
        stores (--kv-cache-dtype fp8) are read packed by the kernel, dequantized by the torch path's gathers
