@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from shared.engine.kv_quant import Fp8Rows, RowLayout, quantize
+from shared.engine.kv_quant import Fp8Rows, RowLayout, dequantize, quantize, storage
 from shared.engine.models.deepseek_v4 import decode
 from shared.engine.models.deepseek_v4.decode import DecodeBatch
 from shared.engine.models.deepseek_v4.rope import inv_freq
@@ -29,11 +29,18 @@ class CompressCase:
     rings: tuple[torch.Tensor, torch.Tensor]
     new: tuple[torch.Tensor, torch.Tensor]
     b: DecodeBatch
-    store: torch.Tensor
+    store: torch.Tensor | Fp8Rows
     d: int
 
     def state(self) -> list[torch.Tensor]:
-        return [t.clone() for t in (*self.rings, self.store)]
+        """Copies of the rings and the store (FP8: its packed bytes)."""
+        return [t.clone() for t in (*self.rings, storage(self.store))]
+
+    def entries(self, state: list[torch.Tensor]) -> torch.Tensor:
+        """A state's store as values (FP8: dequantized)."""
+        if isinstance(self.store, Fp8Rows):
+            return dequantize(state[2], self.store.layout, torch.float32)
+        return state[2].float()
 
     def step(self, kernels: bool) -> None:
         decode.compress(self.att, self.c, self.rings, self.new, self.b, self.store, self.kv, self.d, kernels)
@@ -54,7 +61,9 @@ def batch(rows: list[Row], ratio: int, block_tokens: int, num_blocks: int, devic
 
 
 def compress_case(rows: list[Row], ratio: int, overlap: bool, d: int, rope: int, dtype: torch.dtype,
-                  device: str, seed: int = 0, slots: int = 8, num_blocks: int = 24) -> CompressCase:
+                  device: str, seed: int = 0, slots: int = 8, num_blocks: int = 24,
+                  fp8: RowLayout | None = None) -> CompressCase:
+    """fp8: the store as packed FP8 rows of this layout (entries: RowLayout(d, rope); index keys: (d, 0))."""
     g = torch.Generator().manual_seed(seed)
     C = (2 if overlap else 1) * d
     cap = (2 if overlap else 1) * ratio + BACKTRACK
@@ -68,9 +77,12 @@ def compress_case(rows: list[Row], ratio: int, overlap: bool, d: int, rope: int,
                    (1 + 0.1 * torch.randn(d, generator=g)).to(device), ratio, overlap)
     att = SimpleNamespace(rope_compress=SimpleNamespace(inv_freq=inv_freq(rope, 160000.0, YARN).to(device)),
                           spec=SimpleNamespace(rms_eps=1e-6))
-    return CompressCase(c, att, SimpleNamespace(block_tokens=bt), (rand(slots + 1, cap, C), rand(slots + 1, cap, C)),
-                        (rand(len(rows), C), rand(len(rows), C)), batch(rows, ratio, bt, num_blocks, device, g),
-                        rand(num_blocks, bt // ratio, d), d)
+    rings, new = (rand(slots + 1, cap, C), rand(slots + 1, cap, C)), (rand(len(rows), C), rand(len(rows), C))
+    b = batch(rows, ratio, bt, num_blocks, device, g)
+    store = rand(num_blocks, bt // ratio, d)
+    if fp8 is not None:
+        store = Fp8Rows(quantize(store, fp8), fp8, dtype)
+    return CompressCase(c, att, SimpleNamespace(block_tokens=bt), rings, new, b, store, d)
 
 
 @dataclass

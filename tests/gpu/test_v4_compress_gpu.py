@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.engine.kv_quant import RowLayout
 from shared.engine.models.deepseek_v4 import decode
 from tests import v4_checkpoints
 from tests.v4_compress_cases import compress_case, index_case
@@ -38,27 +39,33 @@ def _run(case, kernels: bool) -> list[torch.Tensor]:
     return case.state()
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name, ratio, overlap, d", [("csa", 4, True, D), ("hca", 128, False, D),
                                                      ("indexer", 4, True, INDEX_DIM)])
-def test_compress_kernel_at_flash_shape(name, ratio, overlap, d, dtype, monkeypatch) -> None:
+def test_compress_kernel_at_flash_shape(name, ratio, overlap, d, dtype, fp8, monkeypatch) -> None:
     _eager_reference(monkeypatch)
-    make = lambda: compress_case(_rows(ratio), ratio, overlap, d, ROPE, dtype, "cuda", num_blocks=16)  # noqa: E731
-    before = make().state()
+    layout = None if not fp8 else RowLayout(d, ROPE if name != "indexer" else 0)  # as cache.py lays them out
+    make = lambda: compress_case(_rows(ratio), ratio, overlap, d, ROPE, dtype, "cuda", num_blocks=16,  # noqa: E731
+                                 fp8=layout)
+    case = make()
+    before = case.state()
     want = _run(make(), kernels=False)
     got = _run(make(), kernels=True)
     # bf16: the torch path sums the window and normalises in bf16, the kernel in float32
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for a, b, what in zip(got, want, ("kv ring", "gate ring", "store")):
+    for a, b, what in zip(got[:2], want[:2], ("kv ring", "gate ring")):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=f"{name}: {what}")
+    # FP8: entries that round apart by tol may land one e4m3 step (1/8 of the value at most) apart
+    atol, rtol = (tol + 1e-2, 1 / 8) if fp8 else (tol, tol)
+    entries_got, entries_want = case.entries(got), case.entries(want)
+    torch.testing.assert_close(entries_got, entries_want, atol=atol, rtol=rtol, msg=f"{name}: store")
     assert not torch.equal(got[2], before[2])
-    far = 5  # the row past 300K tokens: its entry's rotated channels, tight in fp32
-    p = _rows(ratio)[far][1]
-    w = p // ratio
-    bt = max(16, ratio)
-    slot = (w * ratio % bt) // ratio
-    torch.testing.assert_close(got[2][far, slot, -ROPE:].float(), want[2][far, slot, -ROPE:].float(), atol=tol,
-                               rtol=tol)
+    far = 5  # the row past 300K tokens: its entry's rotated channels
+    w = _rows(ratio)[far][1] // ratio
+    slot = (w * ratio % max(16, ratio)) // ratio
+    torch.testing.assert_close(entries_got[far, slot, -ROPE:], entries_want[far, slot, -ROPE:], atol=atol,
+                               rtol=rtol)
     assert not torch.equal(got[2][far, slot], before[2][far, slot])
 
 

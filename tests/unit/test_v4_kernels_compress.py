@@ -16,12 +16,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.engine.kv_quant import RowLayout
 from shared.engine.models.deepseek_v4 import decode
 from tests.v4_compress_cases import compress_case, index_case
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests (tests/gpu covers CUDA)")
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from shared.engine.kernels.v4_compress import _bf16_bits, _e4m3_bits  # noqa: E402  (needs triton)
 
 # slot, position, begin, frozen
 HCA_ROWS = [(0, 15, 0, 0),  # closes window 1
@@ -45,22 +49,29 @@ def _run(case, kernels: bool) -> list[torch.Tensor]:
     return case.state()
 
 
-@pytest.mark.parametrize("name, rows, ratio, overlap, d, rope", [
-    ("hca", HCA_ROWS, 8, False, 32, 16),
-    ("csa", CSA_ROWS, 4, True, 32, 16),
-    ("csa-indexer", CSA_ROWS, 4, True, 16, 16),
-    ("hca-wide", HCA_ROWS[:3], 8, False, 48, 8),  # d / 2 not a power of two: padded channels
+@pytest.mark.parametrize("name, rows, ratio, overlap, d, rope, fp8", [
+    ("hca", HCA_ROWS, 8, False, 32, 16, None),
+    ("csa", CSA_ROWS, 4, True, 32, 16, None),
+    ("csa-indexer", CSA_ROWS, 4, True, 16, 16, None),
+    ("hca-wide", HCA_ROWS[:3], 8, False, 48, 8, None),  # d / 2 not a power of two: padded channels
+    ("hca-fp8", HCA_ROWS, 8, False, 32, 16, RowLayout(32, 16)),  # e4m3 | scales | bf16 RoPE channels
+    ("csa-fp8", CSA_ROWS, 4, True, 32, 16, RowLayout(32, 16)),
+    ("csa-indexer-fp8", CSA_ROWS, 4, True, 16, 16, RowLayout(16, 0)),  # indexer keys: all e4m3
 ])
-def test_compress_kernel_matches_the_torch_path(name, rows, ratio, overlap, d, rope) -> None:
-    before = compress_case(rows, ratio, overlap, d, rope, torch.float32, "cpu").state()
-    want = _run(compress_case(rows, ratio, overlap, d, rope, torch.float32, "cpu"), kernels=False)
-    got = _run(compress_case(rows, ratio, overlap, d, rope, torch.float32, "cpu"), kernels=True)
-    for a, b, what in zip(got, want, ("kv ring", "gate ring", "store")):
+def test_compress_kernel_matches_the_torch_path(name, rows, ratio, overlap, d, rope, fp8) -> None:
+    make = lambda: compress_case(rows, ratio, overlap, d, rope, torch.float32, "cpu", fp8=fp8)  # noqa: E731
+    case = make()
+    before = case.state()
+    want = _run(make(), kernels=False)
+    got = _run(make(), kernels=True)
+    for a, b, what in zip(got[:2], want[:2], ("kv ring", "gate ring")):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name}: {what}")
+    # FP8: the same values (the kernel's float32 sums round apart by an ulp: a scale's bytes may differ)
+    torch.testing.assert_close(case.entries(got), case.entries(want), atol=1e-5, rtol=1e-5, msg=f"{name}: store")
     # the step wrote every row's ring slot and exactly the closing, unfrozen rows' entries
-    written = (want[2] != before[2]).flatten(1).any(1).nonzero()[:, 0].tolist()
+    changed = lambda state: (state[2] != before[2]).flatten(1).any(1).nonzero()[:, 0].tolist()  # noqa: E731
     closes = [r for r, (_, p, _, fz) in enumerate(rows) if (p + 1) % ratio == 0 and p // ratio >= fz // ratio]
-    assert written == closes, name
+    assert changed(got) == closes and (fp8 is not None or changed(want) == closes), name
     assert not torch.equal(got[0], before[0]) and not torch.equal(got[1], before[1])
 
 
@@ -77,6 +88,30 @@ def test_large_positions_rotate_at_their_own_angle() -> None:
     entry_near = near.store[0, (16 % 16) // 8]
     assert torch.allclose(entry_far[:16], entry_near[:16])  # unrotated channels: the same window, the same sum
     assert not torch.allclose(entry_far[16:], entry_near[16:], atol=1e-3)
+
+
+@triton.jit
+def _bits(x_ptr, e4m3_ptr, bf16_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(e4m3_ptr + i, _e4m3_bits(x))
+    tl.store(bf16_ptr + i, _bf16_bits(x))
+
+
+def test_packed_rows_round_as_torch() -> None:
+    """The FP8 store's e4m3 and bfloat16 bits, spelled out in integer ops (the interpreter's casts round a carry
+    or a tie otherwise): every e4m3 value, the midpoints between neighbours (ties to even), subnormals and
+    random values give torch's bits."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[torch.isfinite(codes)].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([values, mids, torch.randn(2000, generator=g) * 100, torch.randn(2000, generator=g) * 0.01])
+    x = torch.nn.functional.pad(x.clamp(-448, 448), (0, 8192 - x.numel()))
+    e4m3, bf16 = torch.empty(8192, dtype=torch.uint8), torch.empty(8192, dtype=torch.int16)
+    _bits[(1,)](x, e4m3, bf16, N=8192)
+    assert torch.equal(e4m3, x.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(bf16, x.to(torch.bfloat16).view(torch.int16))
 
 
 def _select(case, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ shapes: a CUDA graph can capture it):
     2. rows whose window closes ((p + 1) % m == 0) build its entry (softmax(gate + ape) over m, CSA over 2m with
        the Ca / Cb overlap) -> RMSNorm -> RoPE at w m -> the paged store. Steps 1-2 of a compressor are one
        Triton launch on the Triton path (kernels/v4_compress.py: open rows write nothing); the torch path
-       (the reference, and FP8 stores) writes back what is there for the open rows
+       (the reference) writes back what is there for the open rows
     3. CSA: the indexer's scores over each row's visible index keys (padded to the batch's most, -inf past a
        row's own; on the Triton path one launch reading the keys through the block table, kernels/v4_index.py),
        top-k -> (S, k) entry ids, -1 = none
@@ -79,11 +79,11 @@ def compress(att: Attention, c: Compressor, rings: tuple[torch.Tensor, torch.Ten
              new: tuple[torch.Tensor, torch.Tensor], b: DecodeBatch, store: torch.Tensor | Fp8Rows, kv: V4Cache,
              d: int, kernels: bool = False) -> None:
     """Write the rows' projections into the ring pools; rows closing a window write its entry to the store.
-    kernels: one Triton launch (kernels/v4_compress.py) for a store in the compute dtype; FP8 stores and the
-    CPU take the torch path below, the kernel's reference."""
+    kernels: one Triton launch (kernels/v4_compress.py; FP8 stores packed in it); the torch path below is its
+    reference."""
     m = c.ratio
     kv_ring, gate_ring = rings
-    if kernels and not isinstance(store, Fp8Rows):
+    if kernels:
         from shared.engine.kernels.v4_compress import compress_update
 
         compress_update(new[0], new[1], kv_ring, gate_ring, c.ape, c.norm, att.rope_compress.inv_freq, b.slots,
