@@ -7,9 +7,12 @@ shapes: a CUDA graph can capture it):
 
     1. rings: kv into swa[slot, p % cap]; the compressor's (and CSA's indexer's) projections into their rings
     2. rows whose window closes ((p + 1) % m == 0) build its entry (softmax(gate + ape) over m, CSA over 2m with
-       the Ca / Cb overlap) -> RMSNorm -> RoPE at w m -> the paged store; other rows write back what is there
+       the Ca / Cb overlap) -> RMSNorm -> RoPE at w m -> the paged store. Steps 1-2 of a compressor are one
+       Triton launch on the Triton path (kernels/v4_compress.py: open rows write nothing); the torch path
+       (the reference) writes back what is there for the open rows
     3. CSA: the indexer's scores over each row's visible index keys (padded to the batch's most, -inf past a
-       row's own), top-k -> (S, k) entry ids, -1 = none
+       row's own; on the Triton path one launch reading the keys through the block table, kernels/v4_index.py),
+       top-k -> (S, k) entry ids, -1 = none
     4. attention over the window ring + the compressed entries (HCA: all visible; CSA: the chosen ids), sinks
        in the softmax: one Triton launch (kernels/v4_decode.py) or the batched torch equivalent below; FP8
        stores (--kv-cache-dtype fp8) are read packed by the kernel, dequantized by the torch path's gathers
@@ -25,6 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from shared.engine.attention import AttentionMetadata
 from shared.engine.fusion import fused
+from shared.engine.kv_quant import Fp8Rows
 from shared.engine.models.deepseek_v4.cache import RequestState, V4Cache
 from shared.engine.models.deepseek_v4.mhc import rms
 from shared.engine.models.deepseek_v4.rope import rotate
@@ -72,11 +76,21 @@ def entry_slots(b: DecodeBatch, e: torch.Tensor, ratio: int, block_tokens: int) 
 
 
 def compress(att: Attention, c: Compressor, rings: tuple[torch.Tensor, torch.Tensor],
-             new: tuple[torch.Tensor, torch.Tensor], b: DecodeBatch, store: torch.Tensor, kv: V4Cache, d: int
-             ) -> None:
-    """Write the rows' projections into the ring pools; rows closing a window write its entry to the store."""
-    m, S = c.ratio, b.slots.shape[0]
+             new: tuple[torch.Tensor, torch.Tensor], b: DecodeBatch, store: torch.Tensor | Fp8Rows, kv: V4Cache,
+             d: int, kernels: bool = False) -> None:
+    """Write the rows' projections into the ring pools; rows closing a window write its entry to the store.
+    kernels: one Triton launch (kernels/v4_compress.py; FP8 stores packed in it); the torch path below is its
+    reference."""
+    m = c.ratio
     kv_ring, gate_ring = rings
+    if kernels:
+        from shared.engine.kernels.v4_compress import compress_update
+
+        compress_update(new[0], new[1], kv_ring, gate_ring, c.ape, c.norm, att.rope_compress.inv_freq, b.slots,
+                        b.positions, b.begins, b.frozen, b.table, store, m, c.overlap, att.spec.rms_eps,
+                        kv.block_tokens)
+        return
+    S = b.slots.shape[0]
     write_ring(kv_ring, b, new[0])
     write_ring(gate_ring, b, new[1])
     entry = window_entry(kv_ring, gate_ring, c.ape, c.norm, att.rope_compress.inv_freq, b.slots, b.positions,
@@ -116,8 +130,10 @@ def window_entry(kv_ring: torch.Tensor, gate_ring: torch.Tensor, ape: torch.Tens
 
 
 def select(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, iq: torch.Tensor,
-           weights: torch.Tensor) -> torch.Tensor:
-    """CSA's lightning indexer over each row's visible index keys -> (S, k) chosen entry ids, -1 = none."""
+           weights: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+    """CSA's lightning indexer over each row's visible index keys -> (S, k) chosen entry ids, -1 = none.
+    kernels: the scores in one Triton launch reading the keys through the block table (kernels/v4_index.py),
+    no (S, E, index_head_dim) gather; the torch path below is its reference. Top-k in torch either way."""
     s = att.spec
     m = layer.compressor.ratio if layer.compressor is not None else 0
     S, E = b.slots.shape[0], b.max_context // m
@@ -125,10 +141,16 @@ def select(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, iq
     assert keys_store is not None
     if E == 0:
         return torch.full((S, 0), -1, dtype=torch.long, device=iq.device)
-    e = torch.arange(E, device=iq.device).expand(S, E)
-    blk, j = entry_slots(b, e, m, kv.block_tokens)
-    scores = index_scores(keys_store, blk, j, iq, weights, e, b.positions, m, s.index_head_dim**-0.5,
-                          s.index_heads**-0.5)
+    key_scale, head_scale = s.index_head_dim**-0.5, s.index_heads**-0.5
+    if kernels:
+        from shared.engine.kernels.v4_index import index_scores as index_scores_kernel
+
+        scores = index_scores_kernel(keys_store, b.table, iq, weights, b.positions, m, kv.block_tokens, E,
+                                     key_scale, head_scale)
+    else:
+        e = torch.arange(E, device=iq.device).expand(S, E)
+        blk, j = entry_slots(b, e, m, kv.block_tokens)
+        scores = index_scores(keys_store, blk, j, iq, weights, e, b.positions, m, key_scale, head_scale)
     top = scores.topk(min(s.index_topk, E), dim=-1)
     return torch.where(top.values == float("-inf"), -1, top.indices)
 
@@ -182,13 +204,13 @@ def attend(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, q:
     if comp is not None:
         c, rings, store = layer.compressor, kv.comp_pool[i], kv.entries[i]
         assert c is not None and rings is not None and store is not None
-        compress(att, c, rings, comp, b, store, kv, s.head_dim)
+        compress(att, c, rings, comp, b, store, kv, s.head_dim, triton)
     if idx is not None:
         ix, rings, store = layer.indexer, kv.index_pool[i], kv.index_keys[i]
         assert ix is not None and rings is not None and store is not None
         kv_i, gate_i, iq, weights = idx
-        compress(att, ix.compressor, rings, (kv_i, gate_i), b, store, kv, s.index_head_dim)
-        ids = select(att, i, layer, b, kv, iq, weights)
+        compress(att, ix.compressor, rings, (kv_i, gate_i), b, store, kv, s.index_head_dim, triton)
+        ids = select(att, i, layer, b, kv, iq, weights, triton)
     if not triton:
         return attend_torch(att, i, layer, q, b, kv, ids)
     from shared.engine.kernels.v4_decode import decode_attention
