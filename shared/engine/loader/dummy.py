@@ -32,8 +32,8 @@ import torch
 
 from shared.engine.config import ModelConfig
 from shared.engine.loader import deepseek_v4, hf
-from shared.engine.quant import Weight, quantize_fp4, quantize_fp8
 from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec
+from shared.engine.quant import Weight, quantize_fp4, quantize_fp8
 from shared.model_info import is_deepseek_v4
 from shared.models import ModelFiles
 
@@ -53,7 +53,7 @@ class Draw(NamedTuple):
 Table = dict[str, Draw]
 
 
-class _Drawn(Mapping[str, Weight]):
+class DrawnWeights(Mapping[str, Weight]):
     """The tensors of `table`, each drawn when asked for from a generator seeded by its name (fp32 on `device`,
     int64 ids): the same numbers for whoever asks, and nothing kept. Subclasses say what is served of a draw."""
 
@@ -87,7 +87,7 @@ class _Drawn(Mapping[str, Weight]):
         return math.prod(shape) * elem
 
 
-class RandomWeights(_Drawn):
+class RandomWeights(DrawnWeights):
     """Dense draws (the model casts them to its dtype)."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -103,7 +103,7 @@ def quantized_kind(name: str, shape: tuple[int, ...]) -> str | None:
     return "fp8" if linear and name not in ("embed.weight", "head.weight") else None
 
 
-class QuantizedWeights(_Drawn):
+class QuantizedWeights(DrawnWeights):
     """The draws quantized as DeepSeek ships them (quantized_kind): quant.py's Fp8Weight with power-of-two scales
     per fp8_block x fp8_block and Fp4Weight with an e8m0 exponent per FP4_BLOCK columns, kept (keep_quantized:
     what the loader keeps for a GPU's kernels) or dequantized to bfloat16 (what it makes of them for a CPU)."""
@@ -123,6 +123,8 @@ class QuantizedWeights(_Drawn):
 
     def _nbytes(self, name: str, shape: tuple[int, ...], elem: int) -> int:
         kind, n = quantized_kind(name, shape), math.prod(shape)
+        if not self.keep_quantized:  # dequantized: served dense as the rest
+            return n * elem
         if kind == "fp8":  # e4m3 values + a float32 scale per block (partial blocks at the ends)
             return n + 4 * math.prod(-(-d // self.fp8_block) for d in shape)
         if kind == "fp4":  # two e2m1 codes a byte + an e8m0 byte per FP4_BLOCK columns
@@ -131,7 +133,7 @@ class QuantizedWeights(_Drawn):
 
 
 def load(files: ModelFiles, device: torch.device | str, seed: int = 0, keep_quantized: bool = False
-         ) -> tuple[ModelConfig, _Drawn]:
+         ) -> tuple[ModelConfig, DrawnWeights]:
     """(config from files' config.json, its weights drawn on `device`). A V4 config with a quantization_config
     draws QuantizedWeights (keep_quantized as the checkpoint loader's); otherwise dense. ValueError for what has
     no dummy."""
