@@ -97,7 +97,7 @@ def main() -> None:
               + [f"prefill {args.prefill} tok/s", "alone vs batch of 8"])
     rows = []
     for shape in args.shapes.split(","):
-        model = random_llama(SHAPES[shape], "cuda", torch.bfloat16, seed=1, name=shape)
+        model = random_llama(SHAPES[shape], "cuda", seed=1, name=shape)
         vocab = model.config.vocab_size
         base: list[float] = []
         for deterministic in (False, True):

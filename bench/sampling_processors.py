@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--shape", default="smollm2-135m")
     args = p.parse_args()
-    model = random_llama(SHAPES[args.shape], "cuda", torch.bfloat16)
+    model = random_llama(SHAPES[args.shape], "cuda")
     engine = Engine(model, device="cuda", kv_blocks=4096, max_running=args.batch)
     print(f"{torch.cuda.get_device_name()}, {args.shape}, batch {args.batch}, median Engine.step() per decode step")
     print("| feature | no row | every row | one row |\n| --- | --- | --- | --- |")

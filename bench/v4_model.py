@@ -32,7 +32,8 @@ prompt in one forward. Cases past --hf-max-ctx are not run (eager attention mate
 scores); out of memory is reported as such.
 
 Quantized (`--quantized`, or a shape name ending in q): the model as DeepSeek ships V4-Flash, random weights
-quantized in memory as they are drawn: FP8 e4m3 attention projections, compressors, indexer and shared expert
+quantized in memory as they are drawn (loader/dummy.py's `QuantizedWeights`, what `--load-format dummy` serves
+for a config.json with a quantization_config): FP8 e4m3 attention projections, compressors, indexer and shared expert
 with 128 x 128 power-of-two block scales, FP4 e2m1 routed experts with an e8m0 scale per 32 columns; embedding,
 head (bf16, as DeepSeek's releases keep it), router, norms and mHC in bf16. 43x128q is the issue's V4-Flash shape:
 all 43 layers, 128 routed experts each, ~80 GB. Its byte floor counts those bytes; the bf16 floor of the same
@@ -53,11 +54,9 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import math
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +73,7 @@ from shared.engine.kv_quant import KV_CACHE_DTYPES, kv_dtype  # noqa: E402
 from shared.engine.loader import LoadedModel  # noqa: E402
 from shared.engine.loader import deepseek_v4  # noqa: E402
 from shared.engine.loader.deepseek_v4 import parse_spec  # noqa: E402
-from shared.engine.loader.dummy import RandomWeights, v4_table  # noqa: E402
+from shared.engine.loader.dummy import QuantizedWeights, RandomWeights, v4_table  # noqa: E402
 from shared.engine.models.deepseek_v4.cache import V4Cache  # noqa: E402
 from shared.engine.models.deepseek_v4.spec import DeepseekV4Spec  # noqa: E402
 from shared.engine.sequence import Status  # noqa: E402
@@ -122,42 +121,6 @@ def hf_config(layers: int, experts: int, tiny: bool) -> Any:
 
 def model_config(spec: DeepseekV4Spec) -> ModelConfig:
     return deepseek_v4.model_config({}, spec)  # config.json's defaults: untied head, bos 0, eos 1
-
-
-def quantized_kind(name: str) -> str | None:
-    """How DeepSeek ships a tensor: routed experts FP4, the other linears FP8; embedding, head, router, mHC and
-    norms as they are."""
-    if ".ffn.experts." in name:
-        return "fp4"
-    linear = name.endswith(".weight") and not name.endswith(("norm.weight", ".gate.weight"))
-    return "fp8" if linear and name not in ("embed.weight", "head.weight") else None
-
-
-class QuantizedWeights(Mapping[str, Any]):
-    """RandomWeights' tensors quantized as drawn (quant.py's FP8 / FP4 types), the rest passed through."""
-
-    def __init__(self, dense: RandomWeights) -> None:
-        self.dense = dense
-
-    def __getitem__(self, name: str) -> Any:
-        from shared.engine.quant import quantize_fp4, quantize_fp8
-
-        kind = quantized_kind(name)
-        w = self.dense[name]
-        return quantize_fp8(w, 128) if kind == "fp8" else quantize_fp4(w, 32) if kind == "fp4" else w
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.dense
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.dense)
-
-    def __len__(self) -> int:
-        return len(self.dense)
-
-    def nbytes(self, elem: int) -> int:
-        per = {"fp8": FP8_BYTES, "fp4": FP4_BYTES, None: elem}
-        return int(sum(math.prod(d.shape) * per[quantized_kind(n)] for n, d in self.dense.table.items()))
 
 
 # --- floors ---------------------------------------------------------------------------------------------------
@@ -369,7 +332,7 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
     config = hf_config(layers, experts, args.tiny)
     spec = parse_spec(config.to_dict())
     dense = RandomWeights(v4_table(spec), device)
-    weights: Any = QuantizedWeights(dense) if quantized else dense
+    weights = QuantizedWeights(dense.table, device) if quantized else dense  # the same draws, quantized
     costs = ModelCosts(spec, dtype.itemsize, quantized)
     bf16_costs = ModelCosts(spec, dtype.itemsize)
     weight_gib = weights.nbytes(dtype.itemsize) / GiB
@@ -429,7 +392,7 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
         for r in rows:
             r["hf"] = "not run (quantized)"
     elif not args.skip_hf:
-        hf_rows(rows, config, weights, spec, args, device, dtype)
+        hf_rows(rows, config, dense, spec, args, device, dtype)
     as_bf16 = f" (bf16: {dense.nbytes(dtype.itemsize) / GiB:.1f} GiB)" if quantized else ""
     memory = (f"{name}: weights {weight_gib:.1f} GiB{as_bf16}, KV pool {blocks * block_bytes / GiB:.1f} GiB "
               f"({blocks} blocks)")

@@ -27,7 +27,7 @@ SHAPE = SHAPES["smollm2-135m"]  # the real shape (30 layers, GQA 9/3, vocab 4915
 
 @pytest.fixture(scope="module")
 def model():
-    return random_llama(SHAPE, "cuda", torch.bfloat16, seed=4)
+    return random_llama(SHAPE, "cuda", seed=4)
 
 
 def make(model, deterministic: bool):

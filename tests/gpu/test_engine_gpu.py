@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
-    return random_llama(SHAPES["smollm2-135m"], "cuda", torch.bfloat16, seed=1)
+    return random_llama(SHAPES["smollm2-135m"], "cuda", seed=1)
 
 
 def prompts(n: int, seed: int, lo: int = 5, hi: int = 300) -> list[list[int]]:
@@ -61,7 +61,7 @@ def test_warmed_up_graphs_change_nothing(model) -> None:
 
 def test_long_context_split_decode_matches_torch_ops(model) -> None:
     """Contexts over several 256-token partitions of the split decode kernel, fp32 end to end."""
-    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=2)
+    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", seed=2)
     ps = prompts(3, 1, lo=600, hi=1500)
     fast = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=512)
     ref = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=512, kernels="torch")
@@ -78,7 +78,7 @@ def test_seeded_sampling_is_batch_independent() -> None:
     spec = SamplingSpec(0.8, 50, 0.9, 1234)
     one = sample_on_device(logits[2:3], [spec], [7]).item()
     assert sample_on_device(logits, [SamplingSpec(0.0, 0, 1.0, 0)] * 2 + [spec] * 4, [0, 0, 7, 1, 2, 3])[2] == one
-    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=3)
+    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", seed=3)
     hot = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     ps = prompts(9, 2)
     engine = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=2048)
@@ -135,7 +135,7 @@ def overlap_run(engine: Engine, ps: list[list[int]], stop: list[int]) -> dict[st
 def test_overlapped_equals_synchronous(model, dtype) -> None:
     """Overlapped scheduling (device-side token feedback, one-step-late read-back) gives the same tokens as the
     synchronous path, with CUDA graphs, for a batch with mixed lengths and finishes."""
-    m = model if dtype == torch.bfloat16 else random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=1)
+    m = model  # fp32 draws, cast by each engine to its dtype
     ps = prompts(26, 4, lo=5, hi=200)
     sync = Engine(m, device="cuda", dtype=dtype, kv_blocks=2048, max_running=32)
     sync.overlap = False
@@ -157,7 +157,7 @@ def test_processors_on_the_device_paths() -> None:
     from shared.engine.scheduler import Chunk
     from shared.engine.sequence import SamplingSpec, Sequence
 
-    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=6)
+    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", seed=6)
     ps = prompts(12, 6, lo=5, hi=120)
     sync = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32, cuda_graphs=False)
     sync.overlap = False
@@ -205,7 +205,7 @@ def test_penalties_bias_and_logprobs_on_the_device_paths() -> None:
     """presence / frequency penalties, logit_bias and logprobs through the overlapped steps and CUDA graphs
     (fp32): the same tokens as synchronous eager steps, logprobs as close as one forward to another, and no step
     waits for the device (the output counts grow on it, the logprobs come back with the tokens)."""
-    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=7)
+    m32 = random_llama(SHAPES["smollm2-135m"], "cuda", seed=7)
     ps = prompts(12, 7, lo=5, hi=120)
     sync = Engine(m32, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32, cuda_graphs=False)
     sync.overlap = False
@@ -263,7 +263,7 @@ def test_speculative_overlap_and_graphs_change_nothing(policy: str, monkeypatch:
 
     monkeypatch.setattr(verify_policy, "LOAD_FULL", 4)
     monkeypatch.setattr(verify_policy, "LOAD_NONE", 16)
-    m = random_llama(SHAPES["smollm2-135m"], "cuda", torch.float32, seed=1)
+    m = random_llama(SHAPES["smollm2-135m"], "cuda", seed=1)
     ps = prompts(26, 4, lo=5, hi=200)
     sync = Engine(m, device="cuda", dtype=torch.float32, kv_blocks=2048, max_running=32, cuda_graphs=False)
     sync.overlap = False

@@ -23,7 +23,7 @@ def test_the_kv_pool_fills_the_share_less_the_weights(share: float) -> None:
     gc.collect()  # an engine is freed by the collector (its scheduler's callbacks refer back to it)
     torch.cuda.empty_cache()
     _, total = torch.cuda.mem_get_info()
-    engine = Engine(random_llama(SHAPES["smollm2-135m"], "cuda", torch.bfloat16), device="cuda",
+    engine = Engine(random_llama(SHAPES["smollm2-135m"], "cuda"), device="cuda",
                     gpu_memory_utilization=share, cuda_graphs=False)
     pool = engine.kv.block_bytes * engine.blocks.num_blocks
     reserved = torch.cuda.memory_reserved()
@@ -37,7 +37,7 @@ def test_the_kv_pool_fills_the_share_less_the_weights(share: float) -> None:
 
 def test_a_share_the_weights_already_fill_is_refused() -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization 0.0001"):
-        Engine(random_llama(SHAPES["smollm2-135m"], "cuda", torch.bfloat16), device="cuda",
+        Engine(random_llama(SHAPES["smollm2-135m"], "cuda"), device="cuda",
                gpu_memory_utilization=0.0001, cuda_graphs=False)
 
 
@@ -46,7 +46,7 @@ import sys, torch
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.engine.random_model import SHAPES, random_llama
 from shared.schemas.generate import SamplingParams
-engine = Engine(random_llama(SHAPES["smollm2-135m"], "cuda", torch.bfloat16), device="cuda",
+engine = Engine(random_llama(SHAPES["smollm2-135m"], "cuda"), device="cuda",
                 gpu_memory_utilization=float(sys.argv[1]), max_batch_tokens=2048)
 out = run_to_completion(engine, [EngineRequest("r", list(range(5, 1500)), SamplingParams(temperature=0), 8)])
 pool = engine.kv.block_bytes * engine.blocks.num_blocks

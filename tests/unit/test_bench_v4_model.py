@@ -9,7 +9,7 @@ from bench import v4_model
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
 from shared.engine.loader import LoadedModel
 from shared.engine.loader.deepseek_v4 import parse_spec
-from shared.engine.loader.dummy import RandomWeights, v4_table
+from shared.engine.loader.dummy import QuantizedWeights, RandomWeights, quantized_kind, v4_table
 
 
 def test_the_bench_runs_ours_transformers_and_the_floors() -> None:
@@ -40,10 +40,10 @@ def test_flash_quantized_weights_are_about_80_gb() -> None:
     its batch-1 byte floor well under half the bf16 one."""
     spec = parse_spec(v4_model.hf_config(43, 128, tiny=False).to_dict())
     dense = RandomWeights(v4_table(spec), "cpu")
-    quantized = v4_model.QuantizedWeights(dense)
+    quantized = QuantizedWeights(dense.table, "cpu")
     assert 70 < quantized.nbytes(2) / 1e9 < 90 and dense.nbytes(2) > 3.5 * quantized.nbytes(2)
-    assert v4_model.quantized_kind("layers.3.attn.compressor.wgate.weight") == "fp8"
-    assert v4_model.quantized_kind("layers.3.ffn.gate.weight") is None
+    assert quantized_kind("layers.3.attn.compressor.wgate.weight", (1024, 4096)) == "fp8"
+    assert quantized_kind("layers.3.ffn.gate.weight", (128, 4096)) is None
     q, bf16 = v4_model.ModelCosts(spec, 2, quantized=True), v4_model.ModelCosts(spec, 2)
     assert q.decode(1, 4096)[0] < 0.45 * bf16.decode(1, 4096)[0]
     assert q.decode(1, 4096)[1] == bf16.decode(1, 4096)[1]

@@ -28,7 +28,7 @@ TINY = ModelConfig("llama", 256, 64, 1, 2, 1, 32, 128, 10000.0, 1e-5, 512, False
 
 @pytest.fixture(scope="module")
 def model():
-    return random_llama(TINY, "cpu", torch.float32, seed=3)
+    return random_llama(TINY, "cpu", seed=3)
 
 
 def engine(model) -> Engine:

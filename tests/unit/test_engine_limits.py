@@ -4,7 +4,6 @@ memory share is tests/gpu/test_engine_memory_gpu.py's)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared.engine.config import ModelConfig
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
@@ -16,10 +15,10 @@ GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 
 
 def test_max_model_len_caps_prompt_and_completion() -> None:
-    engine = Engine(random_llama(TINY, "cpu", torch.float32), kv_blocks=64, max_model_len=40)
+    engine = Engine(random_llama(TINY, "cpu"), kv_blocks=64, max_model_len=40)
     assert engine.max_tokens == 40  # not the model's 256, nor the pool's 64 x 16
     with pytest.raises(ValueError, match="limit 40 tokens"):
         engine.add(EngineRequest("long", list(range(3, 43)), GREEDY, 4))
     out = run_to_completion(engine, [EngineRequest("fits", list(range(3, 33)), GREEDY, 100)])
     assert len(out["fits"]) == 40 - 30  # the completion stops at the cap
-    assert Engine(random_llama(TINY, "cpu", torch.float32), kv_blocks=64).max_tokens == 256
+    assert Engine(random_llama(TINY, "cpu"), kv_blocks=64).max_tokens == 256

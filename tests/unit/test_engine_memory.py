@@ -6,7 +6,6 @@ there) and leaves the engine as it found it. Two real engines on one GPU: tests/
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared.engine.config import ModelConfig
 from shared.engine.engine import Engine, EngineRequest, run_to_completion
@@ -47,7 +46,7 @@ def test_a_share_too_small_or_more_than_is_free_is_refused_with_the_numbers() ->
 def test_the_profile_step_leaves_the_engine_as_it_found_it() -> None:
     """activation_peak runs one max_batch_tokens prompt on a throwaway pool (0 bytes measured on a CPU); a pool
     built after it generates what a fresh engine does, with no block, request or prefix entry left over."""
-    model = random_llama(TINY, "cpu", torch.float32)
+    model = random_llama(TINY, "cpu")
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     fresh = Engine(model, kv_blocks=32, max_batch_tokens=64)
     profiled = Engine(model, kv_blocks=32, max_batch_tokens=64)

@@ -4,7 +4,6 @@ draft layer; DeepSeek-V4 makes its own cache and drafts only when its checkpoint
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bench import v4_model
 from shared.engine.engine import Engine
@@ -17,11 +16,11 @@ from shared.engine.random_model import SHAPES, random_llama
 
 
 def test_llama_gets_kv_pages_and_cannot_draft() -> None:
-    engine = Engine(random_llama(SHAPES["tiny"], "cpu", torch.float32), kv_blocks=8)
+    engine = Engine(random_llama(SHAPES["tiny"], "cpu"), kv_blocks=8)
     assert not isinstance(engine.model, HasOwnCache) and drafter(engine.model) is None
     assert engine.kv.backtrack > 0 and engine.replay_tokens == 0  # paged K/V: a rejected draft is overwritten
     with pytest.raises(ValueError, match="no MTP layer"):
-        Engine(random_llama(SHAPES["tiny"], "cpu", torch.float32), kv_blocks=8, speculative_tokens=1)
+        Engine(random_llama(SHAPES["tiny"], "cpu"), kv_blocks=8, speculative_tokens=1)
 
 
 def test_v4_makes_its_own_cache_and_without_mtp_cannot_draft() -> None:

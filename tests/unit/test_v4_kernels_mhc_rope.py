@@ -67,3 +67,18 @@ def test_rotate_in_place_of_a_view_leaves_the_rest_of_its_base() -> None:
     torch.testing.assert_close(base[1:4, ..., -16:], want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(base[0], keep[0], rtol=0, atol=0)
     torch.testing.assert_close(base[4:], keep[4:], rtol=0, atol=0)
+
+
+def test_rotate_in_place_declines_what_it_cannot_rotate_and_touches_nothing() -> None:
+    """The kernel's layout check is the only one (models/deepseek_v4/rope.py falls back on None): a half that is
+    not a power of two, channels at a stride, leading dims with no single row stride."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(4, 6, 32, generator=g)
+    cases = [(base, 6), (base.transpose(1, 2)[..., :6], 2), (base[:, 1:3], 8)]  # odd half; strided; 2 row strides
+    for x, half in cases:
+        keep = x.clone()
+        angles = torch.rand(x.shape[0], half, generator=g)
+        assert rotate_rows_(x, angles.cos(), angles.sin()) is None
+        torch.testing.assert_close(x, keep, rtol=0, atol=0)
+    angles = torch.rand(4, 8, generator=g)
+    assert rotate_rows_(base[:, ::2], angles.cos(), angles.sin()) is not None  # the control: (4, 3) rows merge

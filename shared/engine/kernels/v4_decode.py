@@ -93,6 +93,23 @@ def _fp8_keys(ptr, off, valid, dtype: tl.constexpr, BLOCK_N: tl.constexpr, D: tl
 
 
 @triton.jit
+def _fold_tile(ptr, off, valid, q, qr, m, l, acc, accr, scale, PRECISION: tl.constexpr, FP8: tl.constexpr,
+               BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr, ROPE: tl.constexpr,
+               ROPE_AT: tl.constexpr):
+    """The tile of keys at byte / element offsets off (BLOCK_N,) of ptr, loaded as the store holds them (FP8
+    packed rows or compute-dtype rows), into the running softmax -> (m, l, acc, accr); accr (the RoPE columns'
+    acc) is only updated for FP8 rows."""
+    if FP8:
+        k, kr = _fp8_keys(ptr, off, valid, q.dtype, BLOCK_N, D, NOPE, GROUP, ROPE, ROPE_AT)
+        m, l, acc, accr = _fold_split(q, qr, k, kr, valid, m, l, acc, accr, scale, PRECISION)
+    else:
+        d = tl.arange(0, D)
+        k = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
+    return m, l, acc, accr
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr, swa_ptr, ent_ptr, bt_ptr, slot_ptr, pos_ptr, begin_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr,
     scale, cap, num_ids, num_parts,
@@ -128,18 +145,14 @@ def _partial_kernel(
         acc = tl.zeros([BLOCK_H, D], tl.float32)
         accr = tl.zeros([BLOCK_H, ROPE], tl.float32)
         end = tl.minimum(start + PART, total)
-        # two loops, no branch inside: each can be software-pipelined
+        # two loops, no branch inside (FP8 is a constexpr): each can be software-pipelined
         for n0 in range(start, tl.minimum(end, WPAD), BLOCK_N):  # window keys: positions p - WIN + 1 + t
             t = n0 + tl.arange(0, BLOCK_N)
             kp = p - WIN + 1 + t
             valid = (t < WIN) & (kp >= begin) & (kp >= 0)
             off = slot * stride_ws + (tl.where(kp >= 0, kp, 0) % cap).to(tl.int64) * stride_wc
-            if FP8:
-                k, kr = _fp8_keys(swa_ptr, off, valid, q.dtype, BLOCK_N, D, NOPE, GROUP, ROPE, ROPE_AT)
-                m, l, acc, accr = _fold_split(q, qr, k, kr, valid, m, l, acc, accr, scale, PRECISION)
-            else:
-                k = tl.load(swa_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
+            m, l, acc, accr = _fold_tile(swa_ptr, off, valid, q, qr, m, l, acc, accr, scale, PRECISION, FP8,
+                                         BLOCK_N, D, NOPE, GROUP, ROPE, ROPE_AT)
         for n0 in range(tl.maximum(start, WPAD), end, BLOCK_N):  # compressed entries through the block table
             t = n0 + tl.arange(0, BLOCK_N)
             valid = t < end
@@ -152,12 +165,8 @@ def _partial_kernel(
             tok = e * RATIO
             blk = tl.load(bt_ptr + s * stride_bt + tok // BT, mask=valid, other=0).to(tl.int64)
             off = blk * stride_e0 + ((tok % BT) // RATIO).to(tl.int64) * stride_e1
-            if FP8:
-                k, kr = _fp8_keys(ent_ptr, off, valid, q.dtype, BLOCK_N, D, NOPE, GROUP, ROPE, ROPE_AT)
-                m, l, acc, accr = _fold_split(q, qr, k, kr, valid, m, l, acc, accr, scale, PRECISION)
-            else:
-                k = tl.load(ent_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                m, l, acc = _fold(q, k, valid, m, l, acc, scale, PRECISION)
+            m, l, acc, accr = _fold_tile(ent_ptr, off, valid, q, qr, m, l, acc, accr, scale, PRECISION, FP8,
+                                         BLOCK_N, D, NOPE, GROUP, ROPE, ROPE_AT)
         row_id = (s * H + h) * num_parts + part  # scratch layout (S, H, P[, D])
         tl.store(m_ptr + row_id, m, mask=hmask)
         tl.store(l_ptr + row_id, l, mask=hmask)

@@ -5,6 +5,8 @@ version (models/deepseek_v4/rope.py `rotate`) concatenates the untouched channel
 tensor: ~1.2 ms a call for an 8K chunk's queries (8K x 64 heads x 512), five calls a layer.
 
     x (N, ..., D), rows contiguous in their leading dims; cos, sin (N, half) float32 (pass -sin to undo)
+
+`rotate_` checks the layout itself (the one place for it) and declines, returning None, what it cannot rotate.
 """
 
 from __future__ import annotations
@@ -33,19 +35,24 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, per_token, stride_row, start,
 BLOCK_R = 16
 
 
-def rows_view(x: torch.Tensor) -> torch.Tensor | None:
-    """x as (rows, D) without a copy, or None where its leading dims have no single row stride."""
+def _rows(x: torch.Tensor, half: int) -> torch.Tensor | None:
+    """x as (rows, D) without a copy, or None where the kernel cannot rotate it in place: half not a power of two
+    (tl.arange), channels not at unit stride, or leading dims with no single row stride."""
+    if half & (half - 1) or x.stride(-1) != 1:
+        return None
     try:
         return x.view(-1, x.shape[-1])
     except RuntimeError:  # leading dims not mergeable: not one row stride
         return None
 
 
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x's trailing 2 * half channels in place (see the module docstring); returns x."""
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotate x's trailing 2 * half channels in place (see the module docstring) and return x; None, x untouched,
+    where its layout does not fit the kernel (the caller then rotates another way)."""
     half = cos.shape[-1]
-    rows = rows_view(x)
-    assert rows is not None and x.stride(-1) == 1 and half & (half - 1) == 0, "rotate_: unsupported layout"
+    rows = _rows(x, half)
+    if rows is None:
+        return None
     R, D = rows.shape
     if R == 0:
         return x

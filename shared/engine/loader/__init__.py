@@ -46,10 +46,12 @@ def load(files: ModelFiles, keep_quantized: bool = False, load_format: str = "au
          device: torch.device | str = "cpu") -> LoadedModel:
     """keep_quantized: FP8 / FP4 weights stay as the checkpoint ships them where the format's loader can keep
     them (DeepSeek-V4's hub release); otherwise they are dequantized to bfloat16. load_format "dummy": only
-    the config is read, the weights are drawn on `device` when the model takes them (dense: keep_quantized
-    does not apply), under a name of their own (dummy.SUFFIX: the cache id never matches the real weights')."""
+    the config is read, the weights are drawn on `device` when the model takes them (dense, or
+    quantized as the release ships them where config.json has a quantization_config, kept or dequantized as
+    keep_quantized says), under a name of their own (dummy.SUFFIX: the cache id never matches the real
+    weights')."""
     if load_format == "dummy":
-        config, drawn = dummy.load(files, device)
+        config, drawn = dummy.load(files, device, keep_quantized=keep_quantized)
         return LoadedModel(files.name + dummy.SUFFIX, config, drawn)
     if load_format != "auto":
         raise ValueError(f"load format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")

@@ -265,14 +265,17 @@ def _read(path: Path, keep_quantized: bool) -> dict[str, Tensor]:
                 continue
             tensor = handle.get_tensor(name)
             if name in scale_of:
-                tensor = _unpacked(tensor, shard[scale_of[name]].get_tensor(scale_of[name]), keep_quantized)
+                tensor = unpacked(tensor, shard[scale_of[name]].get_tensor(scale_of[name]), keep_quantized)
             elif tensor.dtype in QUANTIZED_DTYPES:
                 raise ValueError(f"{path}: {name} is {tensor.dtype} but has no block scale {_scale_names(name)}")
             tensors[name] = tensor
     return tensors
 
 
-def _unpacked(weight: torch.Tensor, scale: torch.Tensor, keep_quantized: bool) -> Tensor:
+def unpacked(weight: torch.Tensor, scale: torch.Tensor, keep_quantized: bool) -> Tensor:
+    """A checkpoint's (weight, block scale) pair as served: kept as quant.py's type where the kernels read it and
+    keep_quantized says so, otherwise dequantized to bfloat16 (dummy.py serves its quantized draws through this
+    too, so they are what a real checkpoint's pairs become)."""
     if keep_quantized:
         try:
             return quantized(weight, scale)

@@ -9,6 +9,15 @@ Values are at init scale (linears N(0, 1 / fan_in), norms ~1, small biases), so 
 any depth; the tokens they produce mean nothing.
 
 Names are the ones the loaders hand the model: DeepSeek-V4's hub names (loader/deepseek_v4.py) and HF Llama's.
+
+A V4 config.json with DeepSeek's `quantization_config` (quant_method "fp8", `weight_block_size` [b, b]) gets
+its weights as DeepSeek ships them (`QuantizedWeights`): each drawn tensor quantized as it is drawn, to what
+the checkpoint loader makes of the release's `<name>.weight` + `<name>.scale` pairs. keep_quantized (a GPU):
+quant.py's Fp8Weight (e4m3, power-of-two float32 scales per b x b block) for the attention projections,
+compressors, indexer, shared expert and MTP projections, Fp4Weight (e2m1, an e8m0 exponent per 32 columns) for
+the routed experts; otherwise (a CPU) those dequantized to bfloat16, as the loader dequantizes them. The
+embedding, head, router, norms and mHC mixers stay dense, as in DeepSeek's releases. (The checkpoint loader
+needs no config for this: it pairs each weight with its `.scale` tensor by name. Dummy has only the config.)
 """
 
 from __future__ import annotations
@@ -24,10 +33,12 @@ import torch
 from shared.engine.config import ModelConfig
 from shared.engine.loader import deepseek_v4, hf
 from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec
+from shared.engine.quant import Weight, quantize_fp4, quantize_fp8
 from shared.model_info import is_deepseek_v4
 from shared.models import ModelFiles
 
 SUFFIX = "+dummy"  # of the loaded model's name, so its cache id (and every KV block's hash) is never a real one's
+FP4_BLOCK = 32  # columns per e8m0 exponent of V4's FP4 routed experts
 
 
 class Draw(NamedTuple):
@@ -42,14 +53,14 @@ class Draw(NamedTuple):
 Table = dict[str, Draw]
 
 
-class RandomWeights(Mapping[str, torch.Tensor]):
+class DrawnWeights(Mapping[str, Weight]):
     """The tensors of `table`, each drawn when asked for from a generator seeded by its name (fp32 on `device`,
-    int64 ids; the model casts): the same numbers for whoever asks, and nothing kept."""
+    int64 ids): the same numbers for whoever asks, and nothing kept. Subclasses say what is served of a draw."""
 
     def __init__(self, table: Table, device: torch.device | str, seed: int = 0) -> None:
         self.table, self.device, self.seed = table, torch.device(device), seed
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def draw(self, name: str) -> torch.Tensor:
         shape, how, high = self.table[name]
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         if how == "ids":  # the first shape[-1] of a random permutation per row: distinct, as the real table's
@@ -69,24 +80,89 @@ class RandomWeights(Mapping[str, torch.Tensor]):
         return len(self.table)
 
     def nbytes(self, elem: int) -> int:
-        """The weights' bytes at `elem` bytes per value (the model's dtype)."""
-        return sum(math.prod(d.shape) for d in self.table.values()) * elem
+        """The weights' bytes as served, dense tensors at `elem` bytes per value (the model's dtype)."""
+        return sum(self._nbytes(name, draw.shape, elem) for name, draw in self.table.items())
+
+    def _nbytes(self, name: str, shape: tuple[int, ...], elem: int) -> int:
+        return math.prod(shape) * elem
 
 
-def load(files: ModelFiles, device: torch.device | str, seed: int = 0) -> tuple[ModelConfig, RandomWeights]:
-    """(config from files' config.json, its weights drawn on `device`). ValueError for what has no dummy."""
+class RandomWeights(DrawnWeights):
+    """Dense draws (the model casts them to its dtype)."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.draw(name)
+
+
+def quantized_kind(name: str, shape: tuple[int, ...]) -> str | None:
+    """How DeepSeek's release ships a V4 tensor (hub name): "fp4" the routed experts, "fp8" the other matrices
+    named `.weight` (not the embedding, the head, the router or a norm); None: dense."""
+    if ".ffn.experts." in name:
+        return "fp4"
+    linear = len(shape) == 2 and name.endswith(".weight") and not name.endswith(("norm.weight", ".gate.weight"))
+    return "fp8" if linear and name not in ("embed.weight", "head.weight") else None
+
+
+class QuantizedWeights(DrawnWeights):
+    """The draws quantized as DeepSeek ships them (quantized_kind): quant.py's Fp8Weight with power-of-two scales
+    per fp8_block x fp8_block and Fp4Weight with an e8m0 exponent per FP4_BLOCK columns, kept (keep_quantized:
+    what the loader keeps for a GPU's kernels) or dequantized to bfloat16 (what it makes of them for a CPU)."""
+
+    def __init__(self, table: Table, device: torch.device | str, seed: int = 0, fp8_block: int = 128,
+                 keep_quantized: bool = True) -> None:
+        super().__init__(table, device, seed)
+        self.fp8_block, self.keep_quantized = fp8_block, keep_quantized
+
+    def __getitem__(self, name: str) -> Weight:
+        kind = quantized_kind(name, self.table[name].shape)
+        w = self.draw(name)
+        if kind is None:
+            return w
+        q = quantize_fp8(w, self.fp8_block) if kind == "fp8" else quantize_fp4(w, FP4_BLOCK)
+        return deepseek_v4.unpacked(q.data, q.scale, self.keep_quantized)  # as the loader serves the pair
+
+    def _nbytes(self, name: str, shape: tuple[int, ...], elem: int) -> int:
+        kind, n = quantized_kind(name, shape), math.prod(shape)
+        if not self.keep_quantized:  # dequantized: served dense as the rest
+            return n * elem
+        if kind == "fp8":  # e4m3 values + a float32 scale per block (partial blocks at the ends)
+            return n + 4 * math.prod(-(-d // self.fp8_block) for d in shape)
+        if kind == "fp4":  # two e2m1 codes a byte + an e8m0 byte per FP4_BLOCK columns
+            return n // 2 + n // FP4_BLOCK
+        return n * elem
+
+
+def load(files: ModelFiles, device: torch.device | str, seed: int = 0, keep_quantized: bool = False
+         ) -> tuple[ModelConfig, DrawnWeights]:
+    """(config from files' config.json, its weights drawn on `device`). A V4 config with a quantization_config
+    draws QuantizedWeights (keep_quantized as the checkpoint loader's); otherwise dense. ValueError for what has
+    no dummy."""
     if files.format != "hf":
         raise ValueError(f"{files.name}: dummy weights need a checkpoint directory's config.json, not a "
                          f"{files.format} file")
     raw = json.loads((files.path / "config.json").read_text())
     if is_deepseek_v4(raw.get("model_type", ""), raw.get("architectures") or []):
         spec = deepseek_v4.parse_spec(raw)
-        return deepseek_v4.model_config(raw, spec), RandomWeights(v4_table(spec), device, seed)
+        table = v4_table(spec)
+        quantization = raw.get("quantization_config")
+        weights = (RandomWeights(table, device, seed) if quantization is None else
+                   QuantizedWeights(table, device, seed, _fp8_block(files, quantization), keep_quantized))
+        return deepseek_v4.model_config(raw, spec), weights
     if not set(raw.get("architectures") or []) & hf.SUPPORTED.keys():
         raise ValueError(f"{files.path}: dummy weights: only DeepSeek-V4 and Llama-family checkpoints "
                          f"(architectures {raw.get('architectures')})")
     config = hf.llama_config(raw, files.path)
     return config, RandomWeights(llama_table(config), device, seed)
+
+
+def _fp8_block(files: ModelFiles, quantization: dict) -> int:
+    """The FP8 block edge of DeepSeek's quantization_config ({"quant_method": "fp8", "weight_block_size":
+    [128, 128], ...}); ValueError for another scheme."""
+    block = quantization.get("weight_block_size", [128, 128])
+    if quantization.get("quant_method") != "fp8" or len(block) != 2 or block[0] != block[1]:
+        raise ValueError(f"{files.path}: dummy weights: only DeepSeek's FP8 block quantization (quant_method "
+                         f"'fp8', square weight_block_size), got quantization_config {quantization}")
+    return int(block[0])
 
 
 # --- the tables ------------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from shared.engine.kernels import HAVE_TRITON
 
 if HAVE_TRITON:
     from shared.engine.kernels.v4_rope import rotate_ as rotate_rows_
-    from shared.engine.kernels.v4_rope import rows_view
 
 
 def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -77,8 +76,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`rotate` in place, returning x: only the rotated channels are read and written (on CUDA one Triton
     launch, kernels/v4_rope.py). x must be the caller's own tensor (a fresh projection or attention output)."""
-    half = cos.shape[-1]
-    if x.is_cuda and HAVE_TRITON and half & (half - 1) == 0 and x.stride(-1) == 1 and rows_view(x) is not None:
-        return rotate_rows_(x, cos, sin)
-    x[..., -2 * half :] = _rotated(x, cos, sin)
+    if x.is_cuda and HAVE_TRITON and rotate_rows_(x, cos, sin) is not None:  # None: a layout it declines
+        return x
+    x[..., -2 * cos.shape[-1] :] = _rotated(x, cos, sin)
     return x
