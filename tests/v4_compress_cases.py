@@ -72,12 +72,14 @@ def compress_case(rows: list[Row], ratio: int, overlap: bool, d: int, rope: int,
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    unused = torch.empty(0)  # the projections: this step's outputs of them are drawn instead
-    c = Compressor(unused, unused, torch.randn(ratio, C, generator=g).to(device),
-                   (1 + 0.1 * torch.randn(d, generator=g)).to(device), ratio, overlap)
+    # its projections (parts of Layer.wx): this step's outputs of them are drawn instead
+    c = Compressor(torch.randn(ratio, C, generator=g).to(device), (1 + 0.1 * torch.randn(d, generator=g)).to(device),
+                   ratio, overlap)
     att = SimpleNamespace(rope_compress=SimpleNamespace(inv_freq=inv_freq(rope, 160000.0, YARN).to(device)),
                           spec=SimpleNamespace(rms_eps=1e-6))
-    rings, new = (rand(slots + 1, cap, C), rand(slots + 1, cap, C)), (rand(len(rows), C), rand(len(rows), C))
+    rings = rand(slots + 1, cap, C), rand(slots + 1, cap, C)
+    wide = rand(len(rows), 16 + 2 * C)  # as Layer.wx's product: the projections are column views, one row stride
+    new = wide[:, 16 : 16 + C], wide[:, 16 + C :]
     b = batch(rows, ratio, bt, num_blocks, device, g)
     store = rand(num_blocks, bt // ratio, d)
     if fp8 is not None:

@@ -141,6 +141,31 @@ def as_dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype) if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
 
+def cat_rows(parts: list[Weight]) -> Weight:
+    """[p0; p1; ...] along the rows (dim -2), of one kind and, quantized, one block layout. FP8: every part but the
+    last must be whole scale blocks of rows, so each block row of the result scales one part's rows; FP4's scales
+    are per row."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, dim=-2)  # type: ignore[arg-type]
+    assert all(type(p) is type(first) and p.block == first.block for p in parts), "cat_rows: mixed layouts"
+    if isinstance(first, Fp8Weight):
+        assert all(p.shape[-2] % first.block[0] == 0 for p in parts[:-1]), "cat_rows: FP8 rows off a block edge"
+    return type(first)(torch.cat([p.data for p in parts], dim=-2), torch.cat([p.scale for p in parts], dim=-2),
+                       first.block)  # type: ignore[arg-type]
+
+
+def row_range(w: Weight, start: int, stop: int) -> Weight:
+    """Rows [start, stop) of a (N, K) weight, as views (no copy). FP8: start on a block edge, stop on one or N."""
+    if isinstance(w, torch.Tensor):
+        return w[start:stop]
+    if isinstance(w, Fp4Weight):
+        return Fp4Weight(w.data[start:stop], w.scale[start:stop], w.block)
+    bn = w.block[0]
+    assert start % bn == 0 and (stop % bn == 0 or stop == w.shape[0]), "row_range: FP8 rows off a block edge"
+    return Fp8Weight(w.data[start:stop], w.scale[start // bn : -(-stop // bn)], w.block)
+
+
 def linear(x: torch.Tensor, w: Weight, groups: int = 1) -> torch.Tensor:
     """x (..., groups K) @ W^T -> (..., N) in x's dtype, for a plain or an FP8 weight (FP4 is the fused MoE's
     alone). groups > 1: W (N, K) is `groups` stacked blocks of N / groups rows, block g applied to x's g-th K

@@ -171,10 +171,10 @@ def test_quantized_engine_gives_dequantized_tokens(quantized_hub: Path) -> None:
     bytes."""
     kw = dict(device="cuda", kv_blocks=64)
     quantized = Engine(str(quantized_hub), dtype=torch.float32, quantization="auto", **kw)
-    assert isinstance(quantized.model.layers[1].wq_b, Fp8Weight)
+    assert isinstance(quantized.model.layers[1].wq.weights[0], Fp8Weight)
     assert isinstance(quantized.model.layers[1].experts.w13, Fp4Weight)
     dense = Engine(str(quantized_hub), dtype=torch.float32, quantization="bf16", **kw)
-    assert isinstance(dense.model.layers[1].wq_b, torch.Tensor)
+    assert isinstance(dense.model.layers[1].wq.weights[0], torch.Tensor)
     assert run_to_completion(quantized, _requests()) == run_to_completion(dense, _requests())
     q16 = Engine(str(quantized_hub), quantization="auto", **kw)
     d16 = Engine(str(quantized_hub), quantization="bf16", **kw)

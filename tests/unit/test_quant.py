@@ -122,11 +122,15 @@ def test_v4_model_keeps_what_its_kernels_read(hub: tuple[Path, dict[str, torch.T
     q = v4_weights.load(spec, kept, torch.device("cpu"), torch.float32, quantized=True)
     plain = v4_weights.load(spec, kept, torch.device("cpu"), torch.float32)
     layer, ref = q.layers[1], plain.layers[1]
-    for name in ("wq_a", "wq_b", "wkv", "wo_b"):
-        assert isinstance(getattr(layer, name), Fp8Weight), name
-        assert torch.equal(getattr(layer, name).dequantize(torch.float32), getattr(ref, name)), name
+    for merged, dense in ((layer.wx, ref.wx), (layer.wq, ref.wq)):  # the parts, as views of the merged weights
+        for name in merged.names:
+            shipped = kept[f"layers.1.attn.{name}.weight"]
+            assert type(merged.part(name)) is type(shipped), name  # FP8 stays FP8, a dense part stays dense
+            assert torch.equal(quant.as_dense(merged.part(name), torch.float32), dense.part(name)), name
+    assert "compressor.wkv" in layer.wx.names and "indexer.wq_b" in layer.wq.names
+    assert isinstance(layer.wq.part("wq_b"), Fp8Weight) and isinstance(layer.wx.part("wq_a"), Fp8Weight)
+    assert isinstance(layer.wo_b, Fp8Weight) and torch.equal(layer.wo_b.dequantize(torch.float32), ref.wo_b)
     assert isinstance(layer.wo_a, torch.Tensor) and torch.equal(layer.wo_a, ref.wo_a)
-    assert isinstance(layer.compressor.wkv, Fp8Weight) and isinstance(layer.indexer.wq_b, Fp8Weight)
     assert isinstance(layer.experts.w13, Fp4Weight) and layer.experts.w13.shape == ref.experts.w13.shape
     assert torch.equal(layer.experts.w13.dequantize(torch.float32), ref.experts.w13)
     assert torch.equal(layer.experts.w2.dequantize(torch.float32), ref.experts.w2)

@@ -152,9 +152,12 @@ def test_indexer_chooses_the_loops_entries(step) -> None:
     meta, positions = st.meta(rows)
     x = rms(torch.randn(len(rows), s.hidden_size, generator=torch.Generator().manual_seed(5)), None, 1e-6)
     cq, sq = att.angles(positions)["compress"]
-    q_res = rms(F.linear(x, layer.wq_a), layer.q_norm, s.rms_eps)
-    iq = rotate(F.linear(q_res, ix.wq_b).view(len(rows), s.index_heads, s.index_head_dim), cq, sq)
-    idx = (F.linear(x, ix.compressor.wkv), F.linear(x, ix.compressor.wgate), iq, F.linear(x, ix.weights_proj))
+    part = layer.wx.part
+    q_res = rms(F.linear(x, part("wq_a")), layer.q_norm, s.rms_eps)
+    iq = rotate(F.linear(q_res, layer.wq.part("indexer.wq_b")).view(len(rows), s.index_heads, s.index_head_dim),
+                cq, sq)
+    idx = (F.linear(x, part("indexer.compressor.wkv")), F.linear(x, part("indexer.compressor.wgate")), iq,
+           F.linear(x, part("indexer.weights_proj")))
     snapshot = [t.clone() for t in _tensors(kv)]
     states = [kv.state(rid, p) for rid, p in rows]
     b = decode.batch_of(meta, states, positions)

@@ -176,7 +176,7 @@ def test_quantized_model_matches_dequantized(hub: Path, monkeypatch: pytest.Monk
     model = engine.model
     model.weights = v4_weights.load(config.spec, kept, torch.device("cpu"), torch.float32, quantized=True)
     model.layers, model.mtp = model.weights.layers, model.weights.mtp
-    assert isinstance(model.layers[0].wq_b, Fp8Weight) and isinstance(model.weights.head, Fp8Weight)
+    assert isinstance(model.layers[0].wq.weights[0], Fp8Weight) and isinstance(model.weights.head, Fp8Weight)
     assert isinstance(model.layers[0].wo_a, Fp8Weight)
     calls = []
 

@@ -10,8 +10,9 @@ Compressor (ratio m): window w = tokens [w m, (w + 1) m) closes at its last toke
     HCA: sum over the window of softmax(gate + ape) * kv, per channel; CSA: the same over 2m slots, the previous
     window's first half-channels (Ca) and this window's second half (Cb); then RMSNorm and RoPE at position w m.
 
-The projections run over all T rows at once; the sliding ring, compressors and attention run per sequence here
-(the torch path, the reference for fused kernels).
+The projections run over all T rows at once, those that read one input as one GEMM (weights.py: Layer.wx reads
+x, Layer.wq reads q_res; each part's output is a column view of the product); the sliding ring, compressors and
+attention run per sequence here (the torch path, the reference for fused kernels).
 """
 
 from __future__ import annotations
@@ -64,18 +65,19 @@ class Attention:
         T = x.shape[0]
         H, d = s.num_heads, s.head_dim
         cos, sin = angles["main" if layer.kind == SLIDING else "compress"]
-        q_res, q, k = query_key(x, layer.wq_a, layer.q_norm, layer.wq_b, layer.wkv, layer.kv_norm, cos, sin, H,
-                                s.rms_eps)
+        px = layer.wx(x)  # every projection of x, column views of one GEMM (or a few: weights.py)
+        q_res = rms(px["wq_a"], layer.q_norm, s.rms_eps)
+        pq = layer.wq(q_res)
+        q = rotate_(rms(pq["wq_b"].view(T, H, d), None, s.rms_eps), cos, sin)  # (T, H, d)
+        k = rotate_(rms(px["wkv"], layer.kv_norm, s.rms_eps), cos, sin)  # (T, d) key = value
         comp = idx = None
         if layer.compressor is not None:
-            c = layer.compressor
-            comp = (linear(x, c.wkv), linear(x, c.wgate))
+            comp = (px["compressor.wkv"], px["compressor.wgate"])  # (T, C) each
         if layer.indexer is not None:
-            ix = layer.indexer
-            ic = ix.compressor
             cq, sq = angles["compress"]
-            iq = rotate_(linear(q_res, ix.wq_b).view(T, s.index_heads, s.index_head_dim), cq, sq)
-            idx = (linear(x, ic.wkv), linear(x, ic.wgate), iq, linear(x, ix.weights_proj))
+            # in place on pq's own buffer (fresh from the GEMM); a view of one row stride (weights.py: wq's max_rows)
+            iq = rotate_(pq["indexer.wq_b"].view(T, s.index_heads, s.index_head_dim), cq, sq)
+            idx = (px["indexer.compressor.wkv"], px["indexer.compressor.wgate"], iq, px["indexer.weights_proj"])
         if batch is not None:
             out = decode.attend(self, i, layer, batch, kv, q, k, comp, idx, self.triton)
             return output(out, cos, sin, layer.wo_a, layer.wo_b, s.o_groups)
@@ -191,18 +193,6 @@ class Attention:
         E = end // m
         e = torch.arange(E, device=device) * m
         return store[span.block_table[(e // kv.block_tokens).long()], (e % kv.block_tokens) // m]
-
-
-def query_key(x: torch.Tensor, wq_a: Weight, q_norm: torch.Tensor, wq_b: Weight, wkv: Weight,
-              kv_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (T, D) -> the query's low-rank residual (T, q_lora_rank), the rotated queries (T, H, d) and this
-    token's rotated key = value (T, d)."""
-    T = x.shape[0]
-    q_res = rms(linear(x, wq_a), q_norm, eps)
-    q = rotate_(rms(linear(q_res, wq_b).view(T, heads, -1), None, eps), cos, sin)
-    k = rotate_(rms(linear(x, wkv), kv_norm, eps), cos, sin)
-    return q_res, q, k
 
 
 def output(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: Weight, wo_b: Weight,

@@ -8,6 +8,21 @@ With `quantized` (the model runs its Triton kernels) the linears a kernel reads 
 gave them: FP8 attention projections, compressors, indexer, shared expert, MTP projections and head (kernels/
 fp8_gemm.py), FP4 routed experts (kernels/moe.py). Anything else quantized (an FP8 routed expert, a router, an
 embedding) is dequantized here, as every weight is on the torch path.
+
+The attention's linears that read one input are merged after loading (merged_linear.py; the checkpoint's names
+are unchanged): one GEMM for what were up to seven launches on x (two GEMMs with FP8, below), one for q_res:
+
+    Layer.wx  reads the block input x:  wq_a | wkv                                               (every layer)
+              | compressor.wkv | compressor.wgate                                                (HCA, CSA)
+              | indexer.compressor.wkv | indexer.compressor.wgate | indexer.weights_proj         (CSA)
+    Layer.wq  reads the query's low-rank residual q_res:  wq_b | indexer.wq_b                    (the latter CSA)
+
+Dense (the torch path, or a checkpoint in bfloat16): all parts of each merge into one weight. FP8 kept: parts
+merge only when their rows are whole scale blocks of one layout (dense parts merge among themselves, apart); at
+V4-Flash's widths, all shipped FP8, that is all of wx but indexer.weights_proj (64 rows, one partial block: its
+own GEMM), and both of wq. wq runs merged at one input row only: beyond, its column views would be copied (rms
+and rotate_ want rows of one stride), 0.5 GiB for an 8K chunk's queries, so it runs one GEMM per part on row
+views of the merged weight.
 """
 
 from __future__ import annotations
@@ -18,13 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.models.deepseek_v4.spec import CSA, SLIDING, DeepseekV4Spec
-from shared.engine.quant import Fp4Weight, Fp8Weight, Weight, as_dense
+from shared.engine.merged_linear import MergedLinear, merge
+from shared.engine.quant import Fp4Weight, Fp8Weight, Weight, as_dense, cat_rows
 
 
 @dataclass(frozen=True)
 class Compressor:
-    wkv: Weight  # (C, D): C = 2 d for CSA (Ca | Cb), d for HCA
-    wgate: Weight  # (C, D)
+    """Its projections wkv and wgate, (C, D) each (C = 2 d for CSA: Ca | Cb; d for HCA), are parts of Layer.wx."""
+
     ape: torch.Tensor  # (m, C) float32 position bias inside a window
     norm: torch.Tensor  # (d,) float32
     ratio: int
@@ -33,9 +49,10 @@ class Compressor:
 
 @dataclass(frozen=True)
 class Indexer:
+    """CSA's lightning indexer; its projections are parts of the layer's merged linears: wq_b (heads *
+    index_head_dim, q_lora_rank) of Layer.wq, weights_proj (heads, D) and its compressor's of Layer.wx."""
+
     compressor: Compressor
-    wq_b: Weight  # (heads * index_head_dim, q_lora_rank)
-    weights_proj: Weight  # (heads, D)
 
 
 @dataclass(frozen=True)
@@ -54,10 +71,9 @@ class Layer:
     hc_ffn: HcParams
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    wq_a: Weight
+    wx: MergedLinear  # the linears that read x: wq_a (q_lora_rank, D), wkv (d, D), the compressors', the indexer's
     q_norm: torch.Tensor
-    wq_b: Weight
-    wkv: Weight
+    wq: MergedLinear  # the linears that read q_res: wq_b (H d, q_lora_rank), CSA's indexer.wq_b
     kv_norm: torch.Tensor
     wo_a: Weight  # (G * o_lora_rank, H * d / G); FP8 only when a group's rows are whole scale blocks
     wo_b: Weight  # (D, G * o_lora_rank)
@@ -124,8 +140,11 @@ def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device,
         return f32(p + "_fn"), f32(p + "_base"), f32(p + "_scale")
 
     def compressor(p: str, ratio: int, overlap: bool) -> Compressor:
-        return Compressor(lin(p + "wkv.weight"), lin(p + "wgate.weight"), f32(p + "ape"), f32(p + "norm.weight"),
-                          ratio, overlap)
+        return Compressor(f32(p + "ape"), f32(p + "norm.weight"), ratio, overlap)
+
+    def merged(a: str, parts: list[str], max_rows: int | None = None) -> MergedLinear:
+        """The linears a + part + ".weight" merged; their own loaded tensors are dropped here."""
+        return merge({n: lin(f"{a}{n}.weight") for n in parts}, max_rows)
 
     def experts(p: str, names: list[str], kind: type) -> Experts:
         """Stacked (E, 2 I, D) and (E, D, I), kept quantized when every part is of `kind` (FP4 routed, FP8
@@ -134,25 +153,29 @@ def load(spec: DeepseekV4Spec, weights: dict[str, Weight], device: torch.device,
         downs = [got(f"{p}{e}.w2.weight") for e in names]
         parts = [t for pair in ups for t in pair] + downs
         if quantized and _stackable(parts, kind):
-            return Experts(_stack([_cat_rows(*pair) for pair in ups]).to(device), _stack(downs).to(device))
+            return Experts(_stack([cat_rows(list(pair)) for pair in ups]).to(device), _stack(downs).to(device))
         w13 = torch.stack([torch.cat([as_dense(a, dtype), as_dense(b, dtype)]) for a, b in ups]).to(device)
         return Experts(w13, torch.stack([as_dense(t, dtype) for t in downs]).to(device))
 
     def layer(p: str, kind: str, ratio: int, hashed: bool, routed: Sequence[int] = range(spec.num_experts)
               ) -> Layer:
         a = p + "attn."
+        x_parts = ["wq_a", "wkv"] + (["compressor.wkv", "compressor.wgate"] if kind != SLIDING else [])
+        q_parts = ["wq_b"]
+        if kind == CSA:
+            x_parts += ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"]
+            q_parts += ["indexer.wq_b"]
         return Layer(
             kind=kind,
             hc_attn=hc(p + "hc_attn"),
             hc_ffn=hc(p + "hc_ffn"),
             attn_norm=f32(p + "attn_norm.weight"),
             ffn_norm=f32(p + "ffn_norm.weight"),
-            wq_a=lin(a + "wq_a.weight"), q_norm=f32(a + "q_norm.weight"), wq_b=lin(a + "wq_b.weight"),
-            wkv=lin(a + "wkv.weight"), kv_norm=f32(a + "kv_norm.weight"),
+            wx=merged(a, x_parts), q_norm=f32(a + "q_norm.weight"), wq=merged(a, q_parts, max_rows=1),
+            kv_norm=f32(a + "kv_norm.weight"),
             wo_a=lin(a + "wo_a.weight", spec.o_groups), wo_b=lin(a + "wo_b.weight"), sinks=f32(a + "attn_sink"),
             compressor=compressor(a + "compressor.", ratio, kind == CSA) if kind != SLIDING else None,
-            indexer=Indexer(compressor(a + "indexer.compressor.", ratio, True), lin(a + "indexer.wq_b.weight"),
-                            lin(a + "indexer.weights_proj.weight")) if kind == CSA else None,
+            indexer=Indexer(compressor(a + "indexer.compressor.", ratio, True)) if kind == CSA else None,
             gate=w(p + "ffn.gate.weight"),
             gate_bias=None if hashed else f32(p + "ffn.gate.bias"),
             tid2eid=weights[p + "ffn.gate.tid2eid"].to(device=device, dtype=torch.long) if hashed else None,
@@ -182,11 +205,6 @@ def _stackable(parts: list[Weight], kind: type) -> bool:
     block = blocks.pop()
     # FP8's 2-D blocks: the gate rows (w1) must end on a block edge for [w1; w3] to be one block grid
     return kind is not Fp8Weight or parts[0].shape[0] % block[0] == 0
-
-
-def _cat_rows(a: Fp8Weight | Fp4Weight, b: Fp8Weight | Fp4Weight) -> Fp8Weight | Fp4Weight:
-    """[a; b] along the rows (w1 then w3), scales alike (FP4: per row; FP8: a ends on a block edge)."""
-    return type(a)(torch.cat([a.data, b.data]), torch.cat([a.scale, b.scale]), a.block)
 
 
 def _stack(parts: list) -> Fp8Weight | Fp4Weight:
