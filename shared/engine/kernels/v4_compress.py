@@ -165,14 +165,14 @@ def _compress_kernel(
         even, odd = even * cos - odd * sin, odd * cos + even * sin
         tok = w * M
         blk = tl.load(table_ptr + s * stride_bt + tok // BT).to(tl.int64)
-        row = store_ptr + blk * stride_e0 + ((tok % BT) // M).to(tl.int64) * stride_e1
+        out = store_ptr + blk * stride_e0 + ((tok % BT) // M).to(tl.int64) * stride_e1  # the entry's store row
         if FP8:
             dtype = kv_new.dtype.element_ty  # the compute dtype: the torch path quantizes entry.to(it)
-            _store_fp8(row, even.to(dtype).to(tl.float32), odd.to(dtype).to(tl.float32), D, HALF_PAD, NOPE, GROUP,
+            _store_fp8(out, even.to(dtype).to(tl.float32), odd.to(dtype).to(tl.float32), D, HALF_PAD, NOPE, GROUP,
                        ROPE_AT)
         else:
-            tl.store(row + 2 * k, even.to(store_ptr.dtype.element_ty), mask=kmask)
-            tl.store(row + 2 * k + 1, odd.to(store_ptr.dtype.element_ty), mask=kmask)
+            tl.store(out + 2 * k, even.to(store_ptr.dtype.element_ty), mask=kmask)
+            tl.store(out + 2 * k + 1, odd.to(store_ptr.dtype.element_ty), mask=kmask)
 
 
 def compress_update(kv_new: torch.Tensor, gate_new: torch.Tensor, kv_ring: torch.Tensor, gate_ring: torch.Tensor,
