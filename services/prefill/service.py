@@ -233,8 +233,11 @@ class PrefillService(EngineWorker):
         assert self.engine is not None and self.transfer is not None and self.kv is not None
         layout = self.engine.layout
         block = layout.block_tokens
-        # leased: the run stays in the store (no eviction) until the gets below have read it
-        run = min((await self.kv.lookup_run(hashes, lease_s=LEASE_S)).hits, (len(prompt) - 1) // block)
+        # leased: the run stays in the store (no eviction) until the gets below have read it. This worker's own
+        # prefix cache counts too: a follow-up sent the moment the previous turn ended can come before that
+        # turn's blocks are in the store, but not before decode's snapshot on top of them (decode's end waits)
+        stored = (await self.kv.lookup_run(hashes, lease_s=LEASE_S)).hits
+        run = min(max(stored, await self.engine.cached_blocks(hashes)), (len(prompt) - 1) // block)
         found = await short_term.find(self.kv, prompt, ns, hashes[:run], block, len(prompt) - 1)
         # blocks alone resume at run * block, less the replay that rebuilds a model's short-term state
         if found is not None and found[0].length > run * block - (layout.replay_tokens if run else 0):
