@@ -26,6 +26,12 @@ DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}  # relative L2 error against torch in float64
 pytestmark = [pytest.mark.gpu] if CUDA else []
+# Bitwise batch invariance is a property of the compiled kernels' fixed tiles and reduction order. Under the
+# interpreter tl.dot is numpy's matmul, whose BLAS picks its summation order by shape and by processor: the same
+# row alone and among 7 differ by an ulp on some CPUs (seen on this project's 2-core machines, on code that
+# passed there before). With CUDA this file runs them (marked gpu, fp32 and bf16), and
+# tests/gpu/test_deterministic_gpu.py checks the engine bitwise; on a CPU the kernels are still checked against torch.
+COMPILED = pytest.mark.skipif(not CUDA, reason="bitwise invariance needs the compiled kernels (interpreter: BLAS)")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -44,6 +50,7 @@ def surrounded(row: torch.Tensor, n: int, at: int, gen: torch.Generator) -> torc
     return batch
 
 
+@COMPILED
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("K,N", [(80, 96), (64, 40)])  # K not a multiple of the K tile; N under one tile
 def test_matmul_row_is_batch_invariant(dtype: torch.dtype, K: int, N: int) -> None:
@@ -126,6 +133,7 @@ def _meta(ctx: list[int], q_lens: list[int], tables: torch.Tensor, decode: bool)
     return AttentionMetadata(t([]), [], batch)
 
 
+@COMPILED
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,KV", [(4, 2), (6, 2)])  # 2 or 3 query heads a KV head (a tile: 8 or 5 queries)
 def test_attention_decode_equals_prefill_in_any_batch(dtype: torch.dtype, H: int, KV: int) -> None:
