@@ -258,6 +258,41 @@ def ours_prefill(engine: Engine, n: int, tag: str) -> float:
     return time.perf_counter() - t
 
 
+def prefill_breakdown(engine: Engine, n: int, top: int = 30) -> tuple[list[float], list[tuple[str, float, int]], float]:
+    """One fresh n-token prompt, chunk by chunk: each step's wall seconds (synchronised, so overlap is lost) and
+    its per-kernel GPU time over the whole prompt (name, us per prompt, launches per prompt), with the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    offset = zlib.crc32(b"kernels")
+    prompt = [(13 * t + offset) % engine.config.vocab_size for t in range(n)]
+    steps: list[float] = []
+    engine.add(EngineRequest("prefill-kernels", prompt, GREEDY, 1))
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        done = False
+        while not done:
+            sync()
+            t = time.perf_counter()
+            out = engine.step()
+            sync()
+            steps.append(time.perf_counter() - t)
+            done = not out or any(o.request_id == "prefill-kernels" and o.finish_reason is not None for o in out)
+    while engine.has_work():
+        engine.step()
+    rows = kernel_rows(prof, 1) if cuda else []  # on a CPU only the chunk times (the script's check)
+    return steps, rows[:top], sum(r[1] for r in rows)
+
+
+def prefill_table(name: str, n: int, steps: list[float], rows: list[tuple[str, float, int]], total: float) -> str:
+    lines = ["", f"## Where a {n:,}-token prefill's GPU time goes: {name}", "",
+             "Each engine step (one chunk, synchronised): " + ", ".join(f"{s * 1e3:,.0f}" for s in steps) + " ms; "
+             f"{sum(steps):,.2f} s in all. Kernel time summed over every launch: {total / 1e3:,.0f} ms.", "",
+             "| kernel | ms per prompt | launches | share |", "|---|---|---|---|"]
+    for k, us, c in rows:
+        lines.append(f"| `{k.replace('|', '/')}` | {us / 1e3:,.1f} | {c} | {100 * us / total:.1f} % |")
+    return "\n".join(lines) + "\n"
+
+
 # --- transformers eager ---------------------------------------------------------------------------------------
 
 
@@ -384,6 +419,11 @@ def run_shape(name: str, layers: int, experts: int, args: argparse.Namespace, de
                              bytes_s=nbytes / bw, flops_s=nflops / flops,
                              bf16_bytes_s=bf16_costs.prefill(n, chunk)[0] / bw))
             log(f"{name} prefill {n}: {_fmt_ms(t)}")
+        if args.prefill_kernels:
+            n = max(args.prefill)
+            steps, top, total = prefill_breakdown(engine, n)
+            args.kernel_tables.append(prefill_table(name, n, steps, top, total))
+            log(f"{name} prefill {n} profiled: {sum(steps):.2f} s\n{args.kernel_tables[-1]}")
     del engine
     gc.collect()
     if device.type == "cuda":
@@ -517,6 +557,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="GPU memory left outside the KV pool for activations (the 8K chunk's scores)")
     ap.add_argument("--kernels", type=int, default=0,
                     help="profile a decode step of this batch size at the first context (GPU): a per-kernel table")
+    ap.add_argument("--prefill-kernels", action="store_true",
+                    help="profile the longest prompt's prefill (GPU): each chunk's time and a per-kernel table")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="the engine's KV cache: auto | bf16 | fp8 (the memory line and the pool's blocks show it)")
     ap.add_argument("--tiny", action="store_true", help="toy widths on the CPU in seconds (checks the script)")
