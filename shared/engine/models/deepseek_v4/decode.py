@@ -151,7 +151,7 @@ def select(att: Attention, i: int, layer: Layer, b: DecodeBatch, kv: V4Cache, iq
         e = torch.arange(E, device=iq.device).expand(S, E)
         blk, j = entry_slots(b, e, m, kv.block_tokens)
         scores = index_scores(keys_store, blk, j, iq, weights, e, b.positions, m, key_scale, head_scale)
-    top = scores.topk(min(s.index_topk, E), dim=-1)
+    top = scores.topk(min(s.index_topk, E), dim=-1, sorted=False)  # any order: the attention masks -1 anywhere
     return torch.where(top.values == float("-inf"), -1, top.indices)
 
 

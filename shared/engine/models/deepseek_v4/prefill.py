@@ -84,6 +84,6 @@ def top_entries(iq: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sta
     for a in range(0, n, rows):
         b = min(n, a + rows)
         scores = index_scores(iq[a:b], weights[a:b], keys, start + a, ratio, scale)  # (b - a, E)
-        val, top = scores.topk(K, dim=-1)
+        val, top = scores.topk(K, dim=-1, sorted=False)
         ids[a:b] = torch.where(val > float("-inf"), top, -1).to(torch.int32)
     return ids
