@@ -280,6 +280,24 @@ async def drive(args: argparse.Namespace, mesh: Mesh, model: str, block: int) ->
     return results
 
 
+TIMING_LINES = (" prompt tokens, ", ": stored ", ": prompt KV ", "captured ", "loaded ")
+
+
+def worker_timings(mesh: Mesh) -> list[str]:
+    """The workers' own timing lines (prefill: restore / compute / store per prompt; decode: KV pull, first step
+    and tokens per request; load and graph capture), in the order each worker logged them: where a path's TTFT
+    goes."""
+    lines = []
+    for logfile in sorted((mesh.state_dir / "logs").glob("*.log")):
+        if not logfile.name.startswith(("prefill", "decode")):
+            continue
+        for line in logfile.read_text(errors="replace").splitlines():
+            if any(k in line for k in TIMING_LINES):
+                parts = line.split(" ", 5)  # date, time, service, level, logger, message
+                lines.append(f"{parts[1]} {logfile.stem}: {parts[5]}" if len(parts) == 6 else line.strip())
+    return lines
+
+
 def table(args: argparse.Namespace, results: dict[str, list[Turn]], model_dir: Path, wall: float) -> str:
     hw = platform.processor() or platform.machine()
     try:
@@ -348,9 +366,11 @@ def main() -> int:
         block = int(orjson.loads((model_dir / "config.json").read_text()).get("compress_rates", {})
                     .get("heavily_compressed_attention", 128))
         results = asyncio.run(drive(args, mesh, model_dir.name, block))
+        timings = worker_timings(mesh)
     finally:
         mesh.stop()
     text = table(args, results, model_dir, time.monotonic() - started)
+    text += "\n## The workers' timing lines\n\n```\n" + "\n".join(timings) + "\n```\n"
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -104,6 +104,11 @@ class BlockManager:
         """Every hash findable here now (a snapshot for a prefix index that lost track)."""
         return list(self._by_hash)
 
+    def drop_cached(self) -> None:
+        """Forget every cached prefix no sequence holds (a warm-up's blocks: nobody else will ask for them)."""
+        for block in self._free:
+            self._forget(block)
+
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 

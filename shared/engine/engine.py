@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Sequence as Seq
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -607,6 +608,38 @@ class Engine:
         Returns the graphs captured (0 without graphs, e.g. on a CPU)."""
         graphs = self.runner.graphs
         return graphs.warm_up() if graphs is not None else 0
+
+    def warm_up_prefill(self) -> int:
+        """Run the kinds of prompt a prefill worker meets once now, before it takes requests: a cold prompt, a
+        follow-up on its cached blocks and the first prompt's snapshot (its end state), one on its cached blocks
+        alone (the replay). A first use compiles (torch.compile traces each fused function again in every new
+        process; Triton specialises integer arguments that are 1 or a multiple of 16), and on the GPU that was
+        seconds added to the first follow-up after a worker restart. Their blocks are dropped from the prefix
+        cache afterwards. Returns the prompt tokens run (0 when the pool or the context cannot hold them)."""
+        bt, vocab = self.block_tokens, self.config.vocab_size
+        n = 2 * bt + 37  # neither start nor length a multiple of 16 in the follow-ups below
+        if 2 * n + 64 >= self.max_tokens or self.blocks.num_free < 3 * (n // bt + 3):
+            return 0
+        greedy = SamplingParams(temperature=0)
+
+        def prompt(length: int, seed: int) -> list[int]:
+            return [(seed + 7 * i) % vocab for i in range(length)]
+
+        def run(rid: str, tokens: list[int], **prefix: Any) -> list[int]:
+            return run_to_completion(self, [EngineRequest(rid, tokens, greedy, 1, cache_salt="warm-up", **prefix)])[rid]
+
+        first = prompt(n, 3)
+        answer = run("warm-up-cold", first, hold_kv=True)
+        state = self.export_state("warm-up-cold") if self.has_request_state else b""
+        partial = self.export_blocks("warm-up-cold", n // bt, -(-n // bt))
+        self.release("warm-up-cold")
+        follow_up = first + answer + prompt(45, 5)
+        run("warm-up-snapshot", follow_up, prefix_blocks=[b""] * (n // bt) + partial, prefix_tokens=n,
+            prefix_state=state)
+        replay = first[: 2 * bt] + prompt(51, 11)
+        run("warm-up-replay", replay)
+        self.blocks.drop_cached()
+        return len(first) + len(follow_up) + len(replay)
 
     def memory(self) -> memory.MemoryReport:
         """Weights, KV pool and the tokens of context it holds (the worker logs it once, at load)."""

@@ -173,6 +173,10 @@ class EngineWorker(ABC):
             graphs = await asyncio.to_thread(engine.warm_up)
             if graphs:
                 log.info("captured %d decode CUDA graphs in %.1fs", graphs, time.monotonic() - captured)
+        elif engine.device.type == "cuda":  # first uses compile there (Engine.warm_up_prefill)
+            warmed = time.monotonic()
+            tokens = await asyncio.to_thread(engine.warm_up_prefill)
+            log.info("warmed up prefill on %d prompt tokens in %.1fs", tokens, time.monotonic() - warmed)
         self.use_engine(AsyncEngine(engine))
         assert self.engine is not None
         await self._publish_kv_events(engine, self.engine)
