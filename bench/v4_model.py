@@ -268,7 +268,8 @@ def prefill_breakdown(engine: Engine, n: int, top: int = 30) -> tuple[list[float
     steps: list[float] = []
     engine.add(EngineRequest("prefill-kernels", prompt, GREEDY, 1))
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities, with_stack=cuda) as prof:
         done = False
         while not done:
             sync()
@@ -280,7 +281,25 @@ def prefill_breakdown(engine: Engine, n: int, top: int = 30) -> tuple[list[float
     while engine.has_work():
         engine.step()
     rows = kernel_rows(prof, 1) if cuda else []  # on a CPU only the chunk times (the script's check)
+    if cuda:
+        log("prefill: where the copies come from\n" + copy_sources(prof))
     return steps, rows[:top], sum(r[1] for r in rows)
+
+
+COPY_OPS = ("aten::copy_", "aten::cat", "aten::index", "aten::index_put_", "aten::clone", "aten::contiguous")
+
+
+def copy_sources(prof: Any, top: int = 12) -> str:
+    """The torch ops that move bytes (copies, cats, gathers, scatters) by their GPU time, with the Python lines
+    that called them: what the kernel table's copy rows are."""
+    events = [e for e in prof.key_averages(group_by_stack_n=4) if e.key in COPY_OPS]
+    events.sort(key=lambda e: -(getattr(e, "device_time_total", 0) or 0))
+    lines = []
+    for e in events[:top]:
+        t = (getattr(e, "device_time_total", 0) or 0) / 1e3
+        stack = " <- ".join(f.split("/")[-1] for f in e.stack[:4]) if e.stack else "?"
+        lines.append(f"  {t:8.1f} ms  {e.count:6d}x  {e.key:18s} {stack}")
+    return "\n".join(lines)
 
 
 def prefill_table(name: str, n: int, steps: list[float], rows: list[tuple[str, float, int]], total: float) -> str:

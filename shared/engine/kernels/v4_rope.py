@@ -19,20 +19,21 @@ import triton.language as tl
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, per_token, stride_row, start,
                  HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    # each row's 2 * HALF rotated channels as one contiguous load and store (pairs split in registers): loading
+    # the pairs' halves as two stride-2 vectors ran at about a quarter of the copy rate on an 8K chunk
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (r < rows)[:, None]
     tok = (r // per_token).to(tl.int64)
+    at = x_ptr + r.to(tl.int64)[:, None] * stride_row + start + tl.arange(0, 2 * HALF)[None, :]
+    a, b = tl.split(tl.reshape(tl.load(at, mask=ok, other=0.0).to(tl.float32), (BLOCK_R, HALF, 2)))
     i = tl.arange(0, HALF)[None, :]
-    at = x_ptr + r.to(tl.int64)[:, None] * stride_row + start + 2 * i
-    a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + tok[:, None] * HALF + i, mask=ok, other=0.0)
     s = tl.load(sin_ptr + tok[:, None] * HALF + i, mask=ok, other=0.0)
-    tl.store(at, (a * c - b * s).to(x_ptr.dtype.element_ty), mask=ok)
-    tl.store(at + 1, (b * c + a * s).to(x_ptr.dtype.element_ty), mask=ok)
+    out = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_R, 2 * HALF))
+    tl.store(at, out.to(x_ptr.dtype.element_ty), mask=ok)
 
 
-BLOCK_R = 16
+BLOCK_R = 32
 
 
 def _rows(x: torch.Tensor, half: int) -> torch.Tensor | None:

@@ -82,14 +82,16 @@ class Attention:
             out = decode.attend(self, i, layer, batch, kv, q, k, comp, idx, self.triton)
             return output(out, cos, sin, layer.wo_a, layer.wo_b, s.o_groups)
         assert meta is not None
-        out = torch.empty_like(q)
+        parts = []
         for span, state in zip(meta.spans, states):
             rows = slice(span.q_start, span.q_start + span.q_len)
             # a prefill chunk through the kernels of prefill.py (no logits in memory); attend_one is the reference
             attend = prefill.attend if self.prefill_kernels and span.q_len > 1 else Attention.attend_one
-            out[rows] = attend(self, i, layer, span, state, kv, positions[rows], q[rows], k[rows],
-                               None if comp is None else (comp[0][rows], comp[1][rows]),
-                               None if idx is None else tuple(t[rows] for t in idx))
+            parts.append(attend(self, i, layer, span, state, kv, positions[rows], q[rows], k[rows],
+                                None if comp is None else (comp[0][rows], comp[1][rows]),
+                                None if idx is None else tuple(t[rows] for t in idx)))
+        # one sequence (a long prompt's chunk) is the output as it is: at an 8K chunk the copy was 0.5 GB a layer
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return output(out, cos, sin, layer.wo_a, layer.wo_b, s.o_groups)
 
     def attend_one(self, i: int, layer: Layer, span: SeqSpan, state: RequestState, kv: V4Cache,
