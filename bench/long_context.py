@@ -280,7 +280,7 @@ async def drive(args: argparse.Namespace, mesh: Mesh, model: str, block: int) ->
     return results
 
 
-TIMING_LINES = (" prompt tokens, ", ": stored ", ": prompt KV ", "captured ", "loaded ")
+TIMING_LINES = (" prompt tokens, ", ": stored ", ": prompt KV ", "captured ", "warmed up ", "loaded ")
 
 
 def worker_timings(mesh: Mesh) -> list[str]:

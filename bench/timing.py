@@ -50,6 +50,8 @@ def kernel_rows(prof: Any, steps: int, width: int = 70) -> list[tuple[str, float
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
+            continue  # a torch op (profiled with CPU activity too): its kernels have rows of their own
         if t > 0 and e.count:
             rows.append((e.key[:width], t / steps, e.count // steps))
     return sorted(rows, key=lambda r: -r[1])

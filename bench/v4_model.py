@@ -269,7 +269,7 @@ def prefill_breakdown(engine: Engine, n: int, top: int = 30) -> tuple[list[float
     engine.add(EngineRequest("prefill-kernels", prompt, GREEDY, 1))
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=activities, with_stack=cuda) as prof:
+    with profile(activities=activities, record_shapes=cuda) as prof:
         done = False
         while not done:
             sync()
@@ -289,16 +289,15 @@ def prefill_breakdown(engine: Engine, n: int, top: int = 30) -> tuple[list[float
 COPY_OPS = ("aten::copy_", "aten::cat", "aten::index", "aten::index_put_", "aten::clone", "aten::contiguous")
 
 
-def copy_sources(prof: Any, top: int = 12) -> str:
-    """The torch ops that move bytes (copies, cats, gathers, scatters) by their GPU time, with the Python lines
-    that called them: what the kernel table's copy rows are."""
-    events = [e for e in prof.key_averages(group_by_stack_n=4) if e.key in COPY_OPS]
+def copy_sources(prof: Any, top: int = 15) -> str:
+    """The torch ops that move bytes (copies, cats, gathers, scatters) by their GPU time, with their input
+    shapes (which tensors they are): what the kernel table's copy rows are."""
+    events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in COPY_OPS]
     events.sort(key=lambda e: -(getattr(e, "device_time_total", 0) or 0))
     lines = []
     for e in events[:top]:
         t = (getattr(e, "device_time_total", 0) or 0) / 1e3
-        stack = " <- ".join(f.split("/")[-1] for f in e.stack[:4]) if e.stack else "?"
-        lines.append(f"  {t:8.1f} ms  {e.count:6d}x  {e.key:18s} {stack}")
+        lines.append(f"  {t:8.1f} ms  {e.count:6d}x  {e.key:18s} {str(e.input_shapes)[:110]}")
     return "\n".join(lines)
 
 

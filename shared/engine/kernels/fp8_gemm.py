@@ -66,7 +66,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_s, k_per_split, group_n,
     SN: tl.constexpr, SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -109,7 +109,7 @@ def align(chosen: torch.Tensor, groups: int, block_m: int) -> tuple[torch.Tensor
 SMALL_PAIRS = 256  # up to this many pairs (decode: batch <= 36 at top 6 + shared) align runs as one program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "bound"])
 def _align_small_kernel(
     chosen_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, bound,
     K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr,
@@ -184,7 +184,7 @@ def _fp4_tile(rows, scale_rows, j, mask, SB: tl.constexpr):
     return _e2m1(packed & 15) * factor, _e2m1(packed >> 4) * factor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])
 def _up_kernel(
     x_ptr, w_ptr, ws_ptr, sc_ptr, scs_ptr, h_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, I, D, limit,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr, W_FP4: tl.constexpr, SB: tl.constexpr,
@@ -253,7 +253,7 @@ def _up_kernel(
     tl.store(h_ptr + pair[:, None] * I + n[None, :], h.to(dt), mask=pmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])
 def _down_kernel(
     h_ptr, w_ptr, ws_ptr, sc_ptr, scs_ptr, y_ptr, weight_ptr, sorted_ptr, group_ptr, padded_ptr, pairs, D, I,
     K: tl.constexpr, SHARED: tl.constexpr, N_EXPERTS: tl.constexpr, W_FP4: tl.constexpr, SB: tl.constexpr,

@@ -109,7 +109,7 @@ def _fold_tile(ptr, off, valid, q, qr, m, l, acc, accr, scale, PRECISION: tl.con
     return m, l, acc, accr
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_ids", "num_parts", "stride_ids"])
 def _partial_kernel(
     q_ptr, swa_ptr, ent_ptr, bt_ptr, slot_ptr, pos_ptr, begin_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr,
     scale, cap, num_ids, num_parts,
@@ -184,7 +184,7 @@ def _partial_kernel(
         tl.store(l_ptr + row_id, tl.zeros([BLOCK_H], tl.float32), mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _merge_kernel(o_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, stride_os, stride_oh, num_parts, D: tl.constexpr):
     s = tl.program_id(0)
     h = tl.program_id(1)

@@ -25,7 +25,7 @@ import triton.language as tl
 from shared.engine.kv_quant import Fp8Rows, storage
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["E"])
 def _index_kernel(
     iq_ptr, w_ptr, keys_ptr, table_ptr, pos_ptr, out_ptr, key_scale, head_scale, E,
     stride_qs, stride_qh, stride_ws, stride_k0, stride_k1, stride_bt, stride_os,

@@ -43,7 +43,7 @@ def _online(q, keys, ok, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "start", "first", "num_ids", "stride_ids"])
 def _prefill_kernel(
     q_ptr, win_ptr, ent_ptr, ids_ptr, sink_ptr, o_ptr,
     n, H, start, first, window, ratio, num_ids, scale,
@@ -133,7 +133,7 @@ def prefill_attention(q: torch.Tensor, win: torch.Tensor, sinks: torch.Tensor, s
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "E", "start", "stride_ot"])
 def _index_scores_kernel(
     q_ptr, w_ptr, k_ptr, out_ptr, n, E, start, ratio, scale,
     stride_qt, stride_qh, stride_wt, stride_ot,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, per_token, stride_row, start,
                  HALF: tl.constexpr, BLOCK_R: tl.constexpr):
     # each row's 2 * HALF rotated channels as one contiguous load and store (pairs split in registers): loading
