@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.kernels.mhc import hc_collapse, hc_expand
+from shared.engine.kernels.mhc import hc_collapse, hc_expand, hc_mix
 from shared.engine.models.deepseek_v4.rope import rotate, rotate_
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -40,6 +40,18 @@ def test_rotate_in_place_matches_the_functional_rotation(dtype: torch.dtype) -> 
     # fp32: as torch's separate products within rounding (the compiler may fuse a * c - b * s into one FMA)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6) if dtype == torch.float32 else \
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mix_is_the_normed_streams_times_fn(dtype: torch.dtype) -> None:
+    """kernels/mhc.py hc_mix at a prefill chunk's shape (V4-Flash: 4 streams of 4096, 24 outputs) against the
+    float32 torch ops it replaces: fp32 dots for fp32 rows, split tf32 (about fp32's accuracy) for bf16 rows."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(2048, 16384, device="cuda", generator=g).to(dtype)
+    fn = torch.randn(24, 16384, device="cuda", generator=g) / 128
+    h = x.float()
+    want = (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6)) @ fn.T
+    torch.testing.assert_close(hc_mix(x, fn, 1e-6), want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_cuda_graph_captures_them() -> None:

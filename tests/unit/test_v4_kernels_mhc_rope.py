@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter t
 
 pytest.importorskip("triton")
 
-from shared.engine.kernels.mhc import hc_collapse, hc_expand  # noqa: E402
+from shared.engine.kernels.mhc import hc_collapse, hc_expand, hc_mix  # noqa: E402
 from shared.engine.kernels.v4_rope import rotate_ as rotate_rows_  # noqa: E402
 
 
@@ -33,6 +33,20 @@ def test_collapse_and_expand_equal_the_torch_ops(T: int, n: int, D: int) -> None
     torch.testing.assert_close(hc_collapse(pre, streams), (pre.unsqueeze(-1) * streams).sum(1), rtol=1e-6, atol=1e-5)
     want = post.unsqueeze(-1) * out.unsqueeze(1) + comb.transpose(-1, -2) @ streams
     torch.testing.assert_close(hc_expand(out, post, comb, streams), want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,K,N,dtype", [(1, 64, 24, torch.float32), (70, 1100, 24, torch.float32),
+                                         (33, 256, 8, torch.bfloat16)])
+def test_the_mix_is_the_normed_streams_times_fn(T: int, K: int, N: int, dtype: torch.dtype) -> None:
+    """hc_mix = rms(x in float32, unweighted) @ fn.T, K not a multiple of the tile; bf16 rows take the split-tf32
+    dots (exact under the interpreter, whose dots are float32)."""
+    g = torch.Generator().manual_seed(T + K)
+    x = (torch.randn(T, K, generator=g) * 3).to(dtype)
+    fn = torch.randn(N, K, generator=g) / K**0.5
+    h = x.float()
+    want = (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6)) @ fn.T
+    torch.testing.assert_close(hc_mix(x, fn, 1e-6), want, rtol=1e-5, atol=1e-5)
+    assert hc_mix(x[:0], fn, 1e-6).shape == (0, N)
 
 
 def test_an_empty_step_collapses_and_expands_to_nothing() -> None:

@@ -56,6 +56,59 @@ def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: in
     return pre, post, comb
 
 
+# --- the mix's projection: rms(streams) @ fn.T in one pass over the streams --------------------------------
+# In torch at an 8K chunk this was three passes over (T, n D): the streams cast to float32 (a 0.5 GB copy), an
+# RMSNorm of that copy, an fp32 GEMM reading it again; about 1 ms a call, twice per layer, 0.8 s of a 77K
+# prefill at 43 layers. The norm is unweighted, so it is a per-row factor applied after the dot:
+# rms(x) @ fn.T = (x @ fn.T) * rsqrt(mean(x^2) + eps). bf16 streams are exact in tf32, and fn is split into its
+# tf32 part and the rest (two tf32 dots: about fp32's accuracy on tensor cores); fp32 streams take fp32 dots.
+
+MIX_ROWS = 256  # from this many rows the kernel (one program per 64 rows); fewer rows (decode) keep cuBLAS's GEMV
+
+
+@triton.jit(do_not_specialize=["T"])
+def _hc_mix_kernel(x_ptr, fn_ptr, out_ptr, T, K, stride_x, eps, N: tl.constexpr, N_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TF32: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T
+    n = tl.arange(0, N_PAD)
+    nmask = n < N
+    acc = tl.zeros([BLOCK_M, N_PAD], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, 1)
+        w = tl.load(fn_ptr + n[None, :] * K + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if SPLIT_TF32:
+            hi = w.to(tl.uint32, bitcast=True) & 0xFFFFE000  # tf32's 10 mantissa bits (truncated)
+            hi = hi.to(tl.float32, bitcast=True)
+            acc += tl.dot(x, hi, input_precision="tf32")
+            acc += tl.dot(x, w - hi, input_precision="tf32")
+        else:
+            acc += tl.dot(x, w, input_precision="ieee")
+    r = 1.0 / tl.sqrt(squares / K + eps)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + n[None, :], acc * r[:, None],
+             mask=rmask[:, None] & nmask[None, :])
+
+
+def hc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (T, K) the flattened streams (bf16 or fp32, rows at unit stride), fn (N, K) float32 contiguous -> the
+    mix (T, N) float32 = RMSNorm(x in float32, unweighted) @ fn.T."""
+    T, K = x.shape
+    N = fn.shape[0]
+    assert x.stride(1) == 1 and fn.is_contiguous() and fn.dtype == torch.float32 and fn.shape[1] == K
+    out = torch.empty(T, N, dtype=torch.float32, device=x.device)
+    if T:
+        block_m = 64 if x.element_size() <= 2 else 32
+        _hc_mix_kernel[(triton.cdiv(T, block_m),)](x, fn, out, T, K, x.stride(0), eps, N=N,
+                                                   N_PAD=max(16, triton.next_power_of_2(N)), BLOCK_M=block_m,
+                                                   BLOCK_K=64, SPLIT_TF32=x.dtype != torch.float32, num_warps=4)
+    return out
+
+
 # --- the streams' collapse and expansion: pure bandwidth, a (row, channel tile) per program -------------------
 # torch.compile with dynamic shapes made the collapse a reduction of one program per row and the expansion a
 # batched 4 x 4 GEMM per token (cuBLAS, 8K batches of it): 2.5 ms each per layer at an 8K prefill chunk, where

@@ -12,7 +12,7 @@ from shared.engine.models.deepseek_v4.weights import HcParams
 
 if HAVE_TRITON:
     from shared.engine.kernels.fused import add_rms_norm
-    from shared.engine.kernels.mhc import hc_collapse, hc_expand, hc_weights
+    from shared.engine.kernels.mhc import MIX_ROWS, hc_collapse, hc_expand, hc_mix, hc_weights
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -32,7 +32,7 @@ def hc_pre(s: DeepseekV4Spec, streams: torch.Tensor, hc: HcParams, triton: bool
     """-> post (T, hc), comb (T, hc, hc) doubly stochastic, the collapsed block input (T, D)."""
     n = s.hc_mult
     fn, base, scale = hc
-    mix = rms(streams.flatten(1).float(), None, s.rms_eps) @ fn.T  # (T, (2 + n) n)
+    mix = mix_of(streams.flatten(1), fn, s.rms_eps, triton)  # (T, (2 + n) n)
     if triton:  # one launch for the gates and the Sinkhorn loop below
         pre, post, comb = hc_weights(mix, base, scale, n, s.hc_iters, s.hc_eps)
         return post, comb, collapse(pre, streams)
@@ -44,6 +44,15 @@ def hc_pre(s: DeepseekV4Spec, streams: torch.Tensor, hc: HcParams, triton: bool
         comb = comb / (comb.sum(-1, keepdim=True) + s.hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + s.hc_eps)
     return post, comb, collapse(pre, streams)
+
+
+def mix_of(flat: torch.Tensor, fn: torch.Tensor, eps: float, triton: bool) -> torch.Tensor:
+    """The mix's projection rms(flat in float32) @ fn.T: (T, N) float32. From MIX_ROWS rows on CUDA one pass
+    over the streams (kernels/mhc.py hc_mix); fewer rows (decode) the torch ops, as the reference."""
+    if (triton and flat.is_cuda and flat.shape[0] >= MIX_ROWS and fn.dtype == torch.float32 and fn.is_contiguous()
+            and flat.stride(1) == 1 and not torch.compiler.is_compiling()):
+        return hc_mix(flat, fn, eps)
+    return rms(flat.float(), None, eps) @ fn.T
 
 
 def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
