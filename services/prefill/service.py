@@ -237,14 +237,15 @@ class PrefillService(EngineWorker):
         # prefix cache counts too: a follow-up sent the moment the previous turn ended can come before that
         # turn's blocks are in the store, but not before decode's snapshot on top of them (decode's end waits)
         stored = (await self.kv.lookup_run(hashes, lease_s=LEASE_S)).hits
-        run = min(max(stored, await self.engine.cached_blocks(hashes)), (len(prompt) - 1) // block)
+        local = await self.engine.cached_blocks(hashes)
+        run = min(max(stored, local), (len(prompt) - 1) // block)
         found = await short_term.find(self.kv, prompt, ns, hashes[:run], block, len(prompt) - 1)
         # blocks alone resume at run * block, less the replay that rebuilds a model's short-term state
         if found is not None and found[0].length > run * block - (layout.replay_tokens if run else 0):
             snap = found[0]
             full = snap.length // block
-            blobs = await self.transfer.fetch_blocks(hashes[:full])
+            blobs = await self.transfer.fetch_blocks(hashes[:full], local)
             if len(blobs) == full:
                 return blobs + ([snap.tail] if snap.tail else []), snap.length, snap.state
-        blobs = await self.transfer.fetch_blocks(hashes[:run])
+        blobs = await self.transfer.fetch_blocks(hashes[:run], local)
         return blobs, len(blobs) * block, b""

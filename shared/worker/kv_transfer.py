@@ -35,11 +35,11 @@ class KvTransfer:
         self.state_part_bytes = max_payload - STATE_PART_OVERHEAD  # the largest part of a snapshot one message carries
         self._cancelled = cancelled  # whether a Cancel ended the request: stop at the next stage
 
-    async def fetch_blocks(self, hashes: list[bytes]) -> list[bytes]:
+    async def fetch_blocks(self, hashes: list[bytes], local: int | None = None) -> list[bytes]:
         """The blobs of the leading run of `hashes` this worker can have: b"" for the blocks its engine's own
         prefix cache holds (no transfer; the engine checks again at admission), then the kvcache service's,
-        up to the first one missing."""
-        local = await self.engine.cached_blocks(hashes)
+        up to the first one missing. `local`: that count, when the caller has just asked the engine."""
+        local = await self.engine.cached_blocks(hashes) if local is None else min(local, len(hashes))
         return [b""] * local + await self.kv.get_run(hashes[local:])
 
     async def export_kv(self, request_id: str, tokens: int, start: int) -> ExportedKv:

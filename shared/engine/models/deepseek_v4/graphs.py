@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from shared.engine.cuda_graphs import PinnedStaging, capture
+from shared.engine.cuda_graphs import PinnedStaging, capture, capture_all
 from shared.engine.models.deepseek_v4.cache import V4Cache
 from shared.engine.models.deepseek_v4.decode import DecodeBatch
 
@@ -96,15 +96,11 @@ class V4DecodeGraphs:
         return logits[:S]
 
     def warm_up(self) -> int:
-        """Capture every (batch, context) bucket now, largest first (one pool sized once): a decode worker does
-        this at start-up, since a capture met while serving stalls every running stream for its duration (about
-        2 s a bucket at 43 layers on the H200). Returns how many were captured (0 on a CPU)."""
+        """Capture every (batch, context) bucket now (cuda_graphs.capture_all); 0 on a CPU."""
         if not self.capture:
             return 0
-        todo = [(B, C) for B in reversed(self.sizes) for C in reversed(self.contexts) if (B, C) not in self.graphs]
-        for B, C in todo:
-            self.graphs[B, C] = self._capture(B, C, 2 * B * (FIELDS + C // self.bt))
-        return len(todo)
+        return capture_all(self.graphs, self.sizes, self.contexts,
+                           lambda B, C: self._capture(B, C, 2 * B * (FIELDS + C // self.bt)))
 
     def _pack(self, chunks: list, states: list, B: int, C: int) -> int:
         """The step's inputs into the next pinned host buffer; returns its length in int32 words."""
